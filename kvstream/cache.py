@@ -1,0 +1,63 @@
+"""The KV-cache interface the model attends through, and the contiguous cache.
+
+The model calls, for one forward pass over ``n`` new tokens::
+
+    pos = cache.begin(n)                    # positions [n] of the new tokens (device tensor)
+    out = cache.attend(layer, q, k, v)      # per layer: store k/v rows, attend causally
+    cache.commit()                          # the n rows become part of the history
+
+Paged, quantized and streamed caches implement the same three calls, so the model never
+changes between cache modes. ``truncate(length)`` rolls back rejected speculative tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class ContextOverflow(ValueError):
+    """More tokens than the cache was sized for."""
+
+
+class ContiguousCache:
+    """All layers' K/V in one dense tensor per K and V, attention with torch SDPA."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
+                 dtype: torch.dtype, device: str | torch.device):
+        shape = (n_layers, max_tokens, n_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.max_tokens = max_tokens
+        self.length = 0
+        self._n = 0
+
+    def begin(self, n: int) -> torch.Tensor:
+        if self.length + n > self.max_tokens:
+            raise ContextOverflow(f"context of {self.length + n} tokens exceeds the cache's {self.max_tokens}")
+        self._n = n
+        return torch.arange(self.length, self.length + n, device=self.k.device)
+
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """q [n, H, D], k_new / v_new [n, KVH, D] -> attention output [n, H, D]."""
+        lo, hi = self.length, self.length + self._n
+        self.k[layer, lo:hi] = k_new
+        self.v[layer, lo:hi] = v_new
+        k, v = self.k[layer, :hi], self.v[layer, :hi]
+        mask = None
+        if self._n > 1:  # causal within the new block, full prefix visible
+            mask = torch.arange(hi, device=q.device)[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+    def commit(self) -> None:
+        self.length += self._n
+        self._n = 0
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length

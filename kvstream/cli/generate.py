@@ -1,0 +1,58 @@
+"""``kvstream-generate``: print a continuation of a prompt, then one stats line.
+
+    kvstream-generate model=qwen2.5-coder-0.5b prompt="def quicksort(a):" max_new_tokens=64
+    kvstream-generate hardware=h200 chat=true prompt="Write a binary search in C." sampling.temperature=0.7
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from ..config import GenerateConfig, quote_free_text, to_typed
+from ..generate import generate
+from ..loader import open_gguf
+from ..model import load_model
+from ..registry import resolve_model
+from ..sampling import Sampler
+from ..tokenizer import StreamDecoder, Tokenizer
+
+
+def run(cfg: GenerateConfig, out=sys.stdout) -> None:
+    reader = open_gguf(resolve_model(cfg.model.source))
+    tok = Tokenizer.from_gguf(reader)
+    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device)
+    text = cfg.prompt
+    if cfg.chat:
+        messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": text}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = tok.encode(text)
+    cache = model.new_cache(len(prompt) + cfg.max_new_tokens)
+    stream = StreamDecoder(tok)
+    stop = () if cfg.ignore_eos else tok.eog_ids
+
+    def show(t: int) -> None:
+        if t not in stop:  # the end-of-generation marker is not part of the continuation
+            out.write(stream.push(t))
+            out.flush()
+
+    result = generate(model, cache, prompt, cfg.max_new_tokens, Sampler(cfg.sampling, cfg.hardware.device),
+                      stop_ids=stop, prefill_chunk=cfg.prefill_chunk, on_token=show)
+    out.write(stream.flush() + "\n")
+    print(result.stats.line(), file=out)
+
+
+@hydra.main(version_base=None, config_path="pkg://conf", config_name="generate")
+def _main(cfg: DictConfig) -> None:
+    run(to_typed(cfg, GenerateConfig))
+
+
+def main() -> None:
+    quote_free_text(sys.argv, ("prompt", "system"))
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Typed run configuration: Hydra's DictConfig becomes these dataclasses at the entry point,
+so nothing below an entry point ever sees a DictConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from .sampling import SamplingParams
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelSource:
+    source: str = "qwen2.5-coder-0.5b"  # a registered name or a path to a GGUF file
+
+
+@dataclass
+class Hardware:
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"hardware.dtype={self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"hardware.device={self.device!r} but this torch build sees no CUDA device; "
+                             "use hardware=cpu")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class GenerateConfig:
+    model: ModelSource = field(default_factory=ModelSource)
+    hardware: Hardware = field(default_factory=Hardware)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt: str = "def quicksort(a):"
+    chat: bool = False          # wrap the prompt in the GGUF's chat template
+    system: str | None = None   # system message when chat=true
+    max_new_tokens: int = 64
+    prefill_chunk: int = 512
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+
+
+T = TypeVar("T")
+
+
+def to_typed(cfg: DictConfig, cls: type[T]) -> T:
+    """Validate ``cfg`` against dataclass ``cls`` (unknown keys and wrong types are errors)."""
+    schema = OmegaConf.structured(cls)
+    return OmegaConf.to_object(OmegaConf.merge(schema, cfg))
+
+
+def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> None:
+    """Quote free-text overrides (``prompt=def f(a):``) in place so Hydra's override grammar
+    takes them literally; values already quoted are left alone."""
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+~") in keys and not (len(value) > 1 and value[0] == value[-1] and value[0] in "'\""):
+            argv[i] = f"{key}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -1,0 +1,92 @@
+"""Plain autoregressive generation: chunked prefill, then one token per decode step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import Sampler
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else float("nan")
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first new token comes from the prefill's logits; decode steps make the rest
+        steps = self.new_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s else float("nan")
+
+    def line(self) -> str:
+        return (f"prompt {self.prompt_tokens} tok | prefill {self.prefill_tok_s:.1f} tok/s | "
+                f"decode {self.new_tokens} tok, {self.decode_tok_s:.1f} tok/s")
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: GenerationStats
+    stopped_on: int | None = None  # the end-of-generation token that stopped it, if any
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def prefill(model, cache, prompt: list[int], chunk: int) -> torch.Tensor:
+    """Run the prompt through the model in chunks of ``chunk`` tokens; return the last logits [vocab]."""
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token is needed to start decoding")
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+    ids = torch.tensor(prompt, dtype=torch.long, device=model.device)
+    for lo in range(0, len(prompt), chunk):
+        logits = model(ids[lo:lo + chunk], cache)
+    return logits[-1]
+
+
+@torch.inference_mode()
+def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Sampler, *,
+             stop_ids: Iterable[int] = (), prefill_chunk: int = 512,
+             on_token: Callable[[int], None] | None = None, keep_logits: bool = False) -> Generation:
+    """Generate up to ``max_new_tokens`` after ``prompt``; stop early on any of ``stop_ids``."""
+    stop = set(stop_ids)
+    dev = model.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, prompt, prefill_chunk)
+    _sync(dev)
+    t1 = time.perf_counter()
+    out: list[int] = []
+    kept: list[torch.Tensor] = []
+    stopped = None
+    for _ in range(max_new_tokens):
+        if keep_logits:
+            kept.append(logits.clone())
+        tok = int(sampler(logits))  # the one host sync per step: the stop decision needs it
+        out.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if tok in stop:
+            stopped = tok
+            break
+        if len(out) == max_new_tokens:
+            break
+        logits = model(torch.tensor([tok], device=dev), cache)[-1]
+    _sync(dev)
+    t2 = time.perf_counter()
+    return Generation(out, GenerationStats(len(prompt), len(out), t1 - t0, t2 - t1), stopped, kept)

@@ -1,0 +1,141 @@
+"""Read a Qwen2 / Qwen3 GGUF with the ``gguf`` package: a typed config and dequantized weights."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader, dequantize
+
+SUPPORTED_ARCHS = ("qwen2", "qwen3")
+# Types the gguf package dequantizes and that Qwen GGUFs actually ship.
+SUPPORTED_TENSOR_TYPES = frozenset(
+    {QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
+     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K}
+)
+
+
+class GGUFError(ValueError):
+    """A GGUF file that kvstream cannot use; the message names the file and the cause."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab_size: int
+    rope_base: float
+    rms_eps: float
+    context_length: int
+    tied_output: bool
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    """Open a GGUF, turning the reader's low-level failures into a :class:`GGUFError`."""
+    path = Path(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader raises bare ValueError/IndexError on corrupt headers
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise GGUFError(f"{path}: truncated; tensor {t.name!r} ends at byte {end} but the file has {size} bytes")
+    return reader
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        if default is None:
+            raise GGUFError(f"missing metadata key {key!r}")
+        return default
+    return f.contents()
+
+
+def read_config(reader: GGUFReader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise GGUFError(f"unsupported architecture {arch!r}; kvstream runs {', '.join(SUPPORTED_ARCHS)}")
+    names = {t.name for t in reader.tensors}
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads))
+    if n_heads % n_kv:
+        raise GGUFError(f"head_count {n_heads} is not a multiple of head_count_kv {n_kv}")
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise GGUFError("missing tensor 'token_embd.weight'")
+    return ModelConfig(
+        arch=arch,
+        n_layers=int(_field(reader, f"{arch}.block_count")),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        ffn=int(_field(reader, f"{arch}.feed_forward_length")),
+        vocab_size=int(vocab or embd.shape[1]),
+        rope_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        context_length=int(_field(reader, f"{arch}.context_length")),
+        tied_output="output.weight" not in names,
+    )
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> torch shape (rows, cols) that the forward pass needs."""
+    q, kv, d = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.hidden
+    shapes = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
+    if not cfg.tied_output:
+        shapes["output.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        shapes |= {
+            p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+            p + "attn_q.weight": (q, d), p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d),
+            p + "attn_output.weight": (d, q),
+            p + "ffn_gate.weight": (cfg.ffn, d), p + "ffn_up.weight": (cfg.ffn, d), p + "ffn_down.weight": (d, cfg.ffn),
+        }
+        if cfg.qkv_bias:
+            shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+        if cfg.qk_norm:
+            shapes |= {p + "attn_q_norm.weight": (cfg.head_dim,), p + "attn_k_norm.weight": (cfg.head_dim,)}
+    return shapes
+
+
+def load_weights(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor the model needs (gguf's reference dequantizers) to ``dtype`` on ``device``."""
+    by_name = {t.name: t for t in reader.tensors}
+    out = {}
+    for name, shape in expected_tensors(cfg).items():
+        t = by_name.get(name)
+        if t is None:
+            raise GGUFError(f"missing tensor {name!r} (architecture {cfg.arch}, {cfg.n_layers} layers)")
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise GGUFError(f"tensor {name!r} has unsupported type {t.tensor_type.name}; supported: "
+                            f"{', '.join(sorted(x.name for x in SUPPORTED_TENSOR_TYPES))}")
+        arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy: F32 tensors are read-only memmaps
+        if tuple(arr.shape) != shape:
+            raise GGUFError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}")
+        out[name] = torch.from_numpy(arr).to(device=device, dtype=dtype)
+    return out

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny GGUF models written per session, the real models when installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstream import registry
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def real_model_path(name: str):
+    """Path of a registered real model, or skip the test when its extra is not installed."""
+    try:
+        return registry.resolve_model(name)
+    except registry.ModelNotAvailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def qwen05_path():
+    return real_model_path("qwen2.5-coder-0.5b")
