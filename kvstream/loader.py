@@ -50,15 +50,12 @@ class ModelConfig:
 def open_gguf(path: str | os.PathLike) -> GGUFReader:
     """Open a GGUF, turning the reader's low-level failures into a :class:`GGUFError`."""
     path = Path(path)
+    size = path.stat().st_size
     try:
         reader = GGUFReader(path)
-    except Exception as e:  # the reader raises bare ValueError/IndexError on corrupt headers
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-    size = path.stat().st_size
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise GGUFError(f"{path}: truncated; tensor {t.name!r} ends at byte {end} but the file has {size} bytes")
+    except Exception as e:  # the reader raises bare ValueError/IndexError on corrupt files
+        raise GGUFError(f"{path}: not a readable GGUF file, truncated or corrupt ({size} bytes; "
+                        f"{type(e).__name__}: {e})") from e
     return reader
 
 

@@ -45,7 +45,14 @@ def _k_quant_bytes(rng: np.random.Generator, rows: int, cols: int, qtype: QT, st
     return raw.reshape(rows, cols // block * size)
 
 
-def _add(w: GGUFWriter, rng, name: str, x: np.ndarray, qtype: QT) -> None:
+def _add(w: GGUFWriter, rng, name: str, x: np.ndarray, qtype: QT, tweak=None) -> None:
+    if tweak is not None:
+        x = tweak(name, x)
+        if x is None:
+            return
+        if x.dtype != np.float32:  # a tweak that changes the dtype writes the array as it is
+            w.add_tensor(name, x)
+            return
     if x.ndim == 1 or qtype == QT.F32:
         w.add_tensor(name, x.astype(np.float32))
     elif qtype == QT.F16:
@@ -56,13 +63,17 @@ def _add(w: GGUFWriter, rng, name: str, x: np.ndarray, qtype: QT) -> None:
         w.add_tensor(name, quantize(x.astype(np.float32), qtype), raw_dtype=qtype)
 
 
-def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
-    """Write a random-weight model with the tiny byte-level BPE vocabulary; returns the path."""
+def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), tweak=None) -> Path:
+    """Write a random-weight model with the tiny byte-level BPE vocabulary; returns the path.
+
+    ``tweak(name, array)`` may replace a tensor before it is written (None drops it), to make
+    broken files for error tests."""
     s = spec
     rng = np.random.default_rng(s.seed)
     vocab = len(tiny_vocab()[0])
     q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     w = GGUFWriter(str(path), s.arch)
+    add = lambda name, x, qtype: _add(w, rng, name, x, qtype, tweak)
     w.add_block_count(s.n_layers)
     w.add_context_length(s.context_length)
     w.add_embedding_length(s.hidden)
@@ -76,31 +87,31 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     add_tiny_vocab(w)
 
     cycle = itertools.cycle(s.types)
-    mat = lambda rows, cols: rng.standard_normal((rows, cols)).astype(np.float32) / np.sqrt(cols)
+    mat = lambda rows, cols: (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
     norm = lambda n: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
     bias = lambda n: (0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    _add(w, rng, "token_embd.weight", rng.standard_normal((vocab, s.hidden)).astype(np.float32), next(cycle))
-    _add(w, rng, "output_norm.weight", norm(s.hidden), QT.F32)
+    add("token_embd.weight", rng.standard_normal((vocab, s.hidden)).astype(np.float32), next(cycle))
+    add("output_norm.weight", norm(s.hidden), QT.F32)
     if not s.tied:
-        _add(w, rng, "output.weight", mat(vocab, s.hidden), next(cycle))
+        add("output.weight", mat(vocab, s.hidden), next(cycle))
     for i in range(s.n_layers):
         p = f"blk.{i}."
-        _add(w, rng, p + "attn_norm.weight", norm(s.hidden), QT.F32)
-        _add(w, rng, p + "attn_q.weight", mat(q, s.hidden), next(cycle))
-        _add(w, rng, p + "attn_k.weight", mat(kv, s.hidden), next(cycle))
-        _add(w, rng, p + "attn_v.weight", mat(kv, s.hidden), next(cycle))
+        add(p + "attn_norm.weight", norm(s.hidden), QT.F32)
+        add(p + "attn_q.weight", mat(q, s.hidden), next(cycle))
+        add(p + "attn_k.weight", mat(kv, s.hidden), next(cycle))
+        add(p + "attn_v.weight", mat(kv, s.hidden), next(cycle))
         if s.arch == "qwen2":
             for n, d in (("q", q), ("k", kv), ("v", kv)):
-                _add(w, rng, p + f"attn_{n}.bias", bias(d), QT.F32)
+                add(p + f"attn_{n}.bias", bias(d), QT.F32)
         else:
-            _add(w, rng, p + "attn_q_norm.weight", norm(s.head_dim), QT.F32)
-            _add(w, rng, p + "attn_k_norm.weight", norm(s.head_dim), QT.F32)
-        _add(w, rng, p + "attn_output.weight", mat(s.hidden, q), next(cycle))
-        _add(w, rng, p + "ffn_norm.weight", norm(s.hidden), QT.F32)
-        _add(w, rng, p + "ffn_gate.weight", mat(s.ffn, s.hidden), next(cycle))
-        _add(w, rng, p + "ffn_up.weight", mat(s.ffn, s.hidden), next(cycle))
-        _add(w, rng, p + "ffn_down.weight", mat(s.hidden, s.ffn), next(cycle))
+            add(p + "attn_q_norm.weight", norm(s.head_dim), QT.F32)
+            add(p + "attn_k_norm.weight", norm(s.head_dim), QT.F32)
+        add(p + "attn_output.weight", mat(s.hidden, q), next(cycle))
+        add(p + "ffn_norm.weight", norm(s.hidden), QT.F32)
+        add(p + "ffn_gate.weight", mat(s.ffn, s.hidden), next(cycle))
+        add(p + "ffn_up.weight", mat(s.ffn, s.hidden), next(cycle))
+        add(p + "ffn_down.weight", mat(s.hidden, s.ffn), next(cycle))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
