@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Kernels run under the Triton interpreter on machines without CUDA. It must be set before any
+# @triton.jit function is defined, i.e. before anything imports kernels.*: this file runs first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvstream import registry
 

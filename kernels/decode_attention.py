@@ -1,0 +1,334 @@
+"""Paged decode attention over quantized KV pages, with the verify batch, split-K and merge.
+
+``decode_attention(q, k_pool, v_pool, page_table, seq_len, k_fmt, v_fmt)``: the queries of
+one sequence, q [n_q, n_heads, head_dim] (n_q = 1..16: 1 + draft length) at positions
+[L - n_q, L), attend causally to the keys at logical positions [key_start, key_end) ∩ [0, L)
+(default: all of [0, L)). Logical page i lives at pool page ``page_table[i]`` (int32),
+pages laid out as in ``kernels.formats``; K and V may have different block types.
+
+- GQA: one program per (KV head, split) covers all of its query heads x query tokens
+  (``n_q * n_heads / n_kv_heads`` rows, padded to BLOCK_M >= 16 for tl.dot), so each
+  dequantized K/V tile is loaded once and reused by every row.
+- Split-K: each program takes an equal share of the key tiles in the range (computed on the
+  device from seq_len / key_start / key_end, which may be int or 1-element device tensors)
+  and writes partials (m, l, acc in base 2, see ``kernels.reference``); ``merge`` combines
+  them. Grids and split counts come from shapes only, so the call is CUDA-graph capturable
+  when the lengths are device tensors.
+- Segments: ``return_partials=True`` returns the partials; partials of disjoint key sets
+  (resident pages from the arena pool, streamed pages from ring slots, each with its own
+  page table and key range) merge with ``merge`` to the one-pass result.
+- Precision: q (scaled by scale * log2 e), the dequantized K/V tiles and the probabilities
+  are rounded to fp16 for tl.dot (pages hold fp16 values or fp16 scales, so fp16 loses
+  nothing more for K/V; a bf16 q beyond fp16 range after scaling would overflow);
+  accumulation, softmax and partials are fp32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.formats import PAGE_TOKENS, PageFormat
+from kernels.gather import load_tile, use_asm
+from kernels.reference import LOG2E, Partials
+from kernels.store import check_pool
+
+Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_N_Q = 16
+
+MERGE_BLOCK_S, MERGE_BLOCK_D = 256, 32  # merge: splits per pass, columns per program
+# BLOCK_M (query rows per KV head, padded) -> (BLOCK_N keys per tile, num_warps, num_stages,
+# programs per SM that split-K aims for). Swept on the H200 (sm_90) at head_dim 128, 64K,
+# q8_0/q4_0 and f16/f16 (bench_kernels.py --sweep, kernels/NOTES.md). The kernel is bound by
+# issue latency (SMEM layout conversions, global loads), not DRAM: what helps is more
+# programs in flight with small register footprints. 16/32 rows: 2 warps, 64-key tiles,
+# ~4 programs per SM (f16 31 us vs 41 us with 4 warps; q8_0/q4_0 26.3 vs 26.6 us).
+# 64 rows: 128-key tiles and 4 warps keep wgmma tiles full (34.5 us vs 36.0 with 64 keys).
+# 128 rows (n_q * GQA > 64): 8 warps to hold the 128 x head_dim fp32 accumulator; not swept.
+LAUNCH = {16: (64, 2, 2, 4), 32: (64, 2, 2, 4), 64: (128, 4, 2, 2), 128: (64, 8, 2, 2)}
+
+
+@triton.jit(do_not_specialize=["n_splits"])
+def _decode_attention_kernel(
+    q,  # [N_Q, N_HEADS, HEAD_DIM], last dim contiguous
+    k_pool,  # [n_pages_k, K_PAGE_BYTES] uint8
+    v_pool,  # [n_pages_v, V_PAGE_BYTES] uint8
+    page_table,  # [max_pages] int32: logical page -> pool page
+    p_len,  # [1] int: sequence length L (queries at [L - N_Q, L))
+    p_start,  # [1] int: first key position (HAS_START)
+    p_end,  # [1] int: end of the key range (HAS_END)
+    out,  # [N_Q, N_HEADS, HEAD_DIM] (WRITE_OUT)
+    part_m,  # [n_splits, N_Q, N_HEADS] fp32
+    part_l,  # [n_splits, N_Q, N_HEADS] fp32
+    part_acc,  # [n_splits, N_Q, N_HEADS, HEAD_DIM] fp32
+    sm_scale,  # softmax scale * log2(e)
+    n_splits,  # programs per KV head (grid axis 1)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    N_Q: tl.constexpr,
+    GQA: tl.constexpr,
+    N_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    K_FMT: tl.constexpr,
+    K_PAGE_BYTES: tl.constexpr,
+    K_SCALE_OFF: tl.constexpr,
+    V_FMT: tl.constexpr,
+    V_PAGE_BYTES: tl.constexpr,
+    V_SCALE_OFF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_END: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    NB: tl.constexpr = HEAD_DIM // 32
+    TPP: tl.constexpr = 256 // BLOCK_N  # tiles per page
+    # int64 where a value can pass 2^31: page * PAGE_BYTES (in load_tile); positions, rows
+    # and offsets inside a page or a small tensor stay int32 (per-element int64 address math
+    # costs instructions in the hot loop)
+    i_h = tl.program_id(0)
+    i_s = tl.program_id(1)
+
+    # key range [ks, ke) and this split's share of its tiles (BLOCK_N keys, inside one page)
+    L = tl.load(p_len).to(tl.int32)
+    ks = L * 0
+    if HAS_START:
+        ks = tl.maximum(tl.load(p_start).to(tl.int32), 0)
+    ke = L
+    if HAS_END:
+        ke = tl.minimum(tl.load(p_end).to(tl.int32), L)
+    t_lo = ks // BLOCK_N
+    t_hi = tl.maximum((ke + BLOCK_N - 1) // BLOCK_N, t_lo)
+    per = (t_hi - t_lo + n_splits - 1) // n_splits
+    t0 = t_lo + i_s * per
+    t1 = tl.minimum(t0 + per, t_hi)
+
+    # rows: m = i_q * GQA + i_g  <->  query token i_q, query head i_h * GQA + i_g
+    o_m = tl.arange(0, BLOCK_M)
+    i_q = o_m // GQA
+    m_m = o_m < N_Q * GQA
+    o_row = i_q * N_HEADS + i_h * GQA + o_m % GQA  # (token, head) row index
+    q_pos = L - N_Q + i_q  # [BLOCK_M] query positions
+    o_e = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]  # [1, NB, 16]
+    m_e = m_m[:, None, None] & (o_e >= 0)
+    p_q = q + i_q[:, None, None] * stride_qt \
+        + (i_h * GQA + o_m % GQA)[:, None, None] * stride_qh + o_e
+    b_q_lo = tl.reshape(tl.load(p_q, mask=m_e, other=0.0).to(tl.float32) * sm_scale,
+                        (BLOCK_M, HEAD_DIM // 2)).to(tl.float16)
+    b_q_hi = tl.reshape(tl.load(p_q + 16, mask=m_e, other=0.0).to(tl.float32) * sm_scale,
+                        (BLOCK_M, HEAD_DIM // 2)).to(tl.float16)
+
+    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc_lo = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+    b_acc_hi = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+    for i_t in range(t0, t1):
+        page = tl.load(page_table + i_t // TPP).to(tl.int64)
+        row0 = i_h * 256 + (i_t % TPP) * BLOCK_N
+        o_k = i_t * BLOCK_N + tl.arange(0, BLOCK_N)  # logical key positions
+        m_k = (o_k >= ks) & (o_k < ke)
+        b_k_lo, b_k_hi = load_tile(k_pool, page, row0, m_k, K_FMT, HEAD_DIM, K_PAGE_BYTES,
+                                   K_SCALE_OFF, BLOCK_N, tl.float16, ASM)
+        b_s = tl.dot(b_q_lo, tl.trans(b_k_lo))
+        b_s = tl.dot(b_q_hi, tl.trans(b_k_hi), b_s)
+        b_s = tl.where(m_k[None, :] & (o_k[None, :] <= q_pos[:, None]), b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # rows with nothing seen yet
+        b_alpha = tl.exp2(b_m - b_m_use)
+        b_p = tl.exp2(b_s - b_m_use[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_v_lo, b_v_hi = load_tile(v_pool, page, row0, m_k, V_FMT, HEAD_DIM, V_PAGE_BYTES,
+                                   V_SCALE_OFF, BLOCK_N, tl.float16, ASM)
+        b_p = b_p.to(tl.float16)
+        b_acc_lo = tl.dot(b_p, b_v_lo, b_acc_lo * b_alpha[:, None])
+        b_acc_hi = tl.dot(b_p, b_v_hi, b_acc_hi * b_alpha[:, None])
+        b_m = b_m_new
+
+    if WRITE_OUT:  # single split: normalise here, no combine launch
+        b_inv = 1.0 / tl.where(b_l == 0, 1.0, b_l)
+        p_o = out + i_q[:, None, None] * stride_ot \
+            + (i_h * GQA + o_m % GQA)[:, None, None] * stride_oh + o_e
+        b_o_lo = tl.reshape(b_acc_lo * b_inv[:, None], (BLOCK_M, NB, 16))
+        b_o_hi = tl.reshape(b_acc_hi * b_inv[:, None], (BLOCK_M, NB, 16))
+        tl.store(p_o, b_o_lo.to(out.dtype.element_ty), mask=m_e)
+        tl.store(p_o + 16, b_o_hi.to(out.dtype.element_ty), mask=m_e)
+    else:
+        o_p = i_s * (N_Q * N_HEADS) + o_row  # [BLOCK_M] partial rows of this split
+        tl.store(part_m + o_p, b_m, mask=m_m)
+        tl.store(part_l + o_p, b_l, mask=m_m)
+        p_a = part_acc + o_p[:, None, None] * HEAD_DIM + o_e
+        tl.store(p_a, tl.reshape(b_acc_lo, (BLOCK_M, NB, 16)), mask=m_e)
+        tl.store(p_a + 16, tl.reshape(b_acc_hi, (BLOCK_M, NB, 16)), mask=m_e)
+
+
+@triton.jit(do_not_specialize=["n_splits"])
+def _merge_kernel(
+    part_m,  # [n_splits, N_Q * N_HEADS] fp32
+    part_l,  # [n_splits, N_Q * N_HEADS] fp32
+    part_acc,  # [n_splits, N_Q * N_HEADS, HEAD_DIM] fp32
+    out,  # [N_Q, N_HEADS, HEAD_DIM], last dim contiguous
+    n_splits,
+    stride_ot,
+    stride_oh,
+    N_ROWS: tl.constexpr,
+    N_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # one program per (row, BLOCK_D columns): all splits' loads in flight at once (a loop
+    # of dependent loads in 12 programs took 19 us at 132 splits)
+    i_r = tl.program_id(0)  # row = i_q * N_HEADS + head
+    o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    b_mx = tl.full([], float("-inf"), tl.float32)
+    b_l = tl.zeros([], tl.float32)
+    b_acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m_s = o_s < n_splits
+        b_ms = tl.load(part_m + o_s * N_ROWS + i_r, mask=m_s, other=float("-inf"))
+        b_ls = tl.load(part_l + o_s * N_ROWS + i_r, mask=m_s, other=0.0)
+        b_mx_new = tl.maximum(b_mx, tl.max(b_ms, 0))
+        b_m_use = tl.where(b_mx_new == float("-inf"), 0.0, b_mx_new)
+        b_alpha = tl.exp2(b_mx - b_m_use)
+        b_w = tl.exp2(b_ms - b_m_use)  # empty splits (m = -inf) weigh 0
+        m_a = (m_s & (b_ls > 0))[:, None] & (o_d >= 0)[None, :]  # skip empty splits' bytes
+        b_a = tl.load(part_acc + (o_s * N_ROWS + i_r)[:, None] * HEAD_DIM + o_d[None, :],
+                      mask=m_a, other=0.0)
+        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_a, 0)
+        b_l = b_l * b_alpha + tl.sum(b_w * b_ls, 0)
+        b_mx = b_mx_new
+    b_o = b_acc / tl.where(b_l == 0, 1.0, b_l)
+    p_o = out + (i_r // N_HEADS) * stride_ot + (i_r % N_HEADS) * stride_oh + o_d
+    tl.store(p_o, b_o.to(out.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _n_sm(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # CPU / interpreter: a few splits, so tests exercise split-K
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(n_kv_heads: int, max_tiles: int, device: torch.device,
+               programs_per_sm: int = 2) -> int:
+    """Splits per KV head: ~programs_per_sm programs per SM in all, at least a tile each."""
+    return max(1, min(max_tiles, triton.cdiv(programs_per_sm * _n_sm(device), n_kv_heads)))
+
+
+def _device_scalar(x, device: torch.device, name: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.dtype not in (torch.int32, torch.int64) or x.device != device:
+            raise ValueError(f"{name} must be an int or a 1-element int32/int64 tensor on "
+                             f"{device}, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        return x.reshape(1)
+    return torch.full((1,), int(x), dtype=torch.int64, device=device)
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     page_table: torch.Tensor, seq_len, k_fmt: PageFormat, v_fmt: PageFormat, *,
+                     scale: float | None = None, key_start=None, key_end=None,
+                     n_splits: int | None = None, return_partials: bool = False,
+                     out: torch.Tensor | None = None):
+    """Attention of q [n_q, n_heads, head_dim] over paged K/V: out [n_q, n_heads, head_dim]
+    in q.dtype, or its Partials ([n_splits, n_q, n_heads(, head_dim)] fp32) when
+    return_partials. seq_len, key_start, key_end: int or 1-element int tensor on q's device."""
+    if q.dim() != 3 or q.dtype not in Q_DTYPES or q.stride(-1) != 1:
+        raise ValueError(f"q must be [n_q, n_heads, head_dim] in {Q_DTYPES} with last dim "
+                         f"contiguous, got {q.dtype} {tuple(q.shape)} stride {q.stride()}")
+    n_q, n_heads, d = q.shape
+    if (k_fmt.n_kv_heads, k_fmt.head_dim) != (v_fmt.n_kv_heads, v_fmt.head_dim):
+        raise ValueError(f"K and V formats must agree on n_kv_heads and head_dim: {k_fmt} vs {v_fmt}")
+    h = k_fmt.n_kv_heads
+    if d != k_fmt.head_dim or n_heads % h:
+        raise ValueError(f"q must be [n_q, a multiple of {h}, {k_fmt.head_dim}] for {k_fmt}, "
+                         f"got {tuple(q.shape)}")
+    if not 1 <= n_q <= MAX_N_Q:
+        raise ValueError(f"n_q must be in [1, {MAX_N_Q}], got {n_q}")
+    gqa = n_heads // h
+    block_m = max(16, triton.next_power_of_2(n_q * gqa))
+    if block_m not in LAUNCH:
+        raise ValueError(f"n_q * n_heads / n_kv_heads must be <= {max(LAUNCH)}, got {n_q * gqa}")
+    check_pool(k_pool, k_fmt, "k_pool")
+    check_pool(v_pool, v_fmt, "v_pool")
+    if page_table.dtype != torch.int32 or page_table.dim() != 1 or page_table.stride(0) != 1:
+        raise ValueError(f"page_table must be contiguous int32 [max_pages], got {page_table.dtype} "
+                         f"{tuple(page_table.shape)} stride {page_table.stride()}")
+    dev = q.device
+    if not (k_pool.device == v_pool.device == page_table.device == dev):
+        raise ValueError(f"q, pools and page_table must share a device, got {dev}, "
+                         f"{k_pool.device}, {v_pool.device}, {page_table.device}")
+    max_keys = page_table.shape[0] * PAGE_TOKENS
+    end = key_end if isinstance(key_end, int) else seq_len if isinstance(seq_len, int) else None
+    if end is not None and end > max_keys:
+        raise ValueError(f"page_table [{page_table.shape[0]}] covers {max_keys} tokens, the key "
+                         f"range needs {end} ({-(-end // PAGE_TOKENS)} pages)")
+    if isinstance(key_start, int) and isinstance(key_end, int):
+        max_keys = min(max_keys, max(1, key_end - key_start))
+    block_n, num_warps, num_stages, programs_per_sm = LAUNCH[block_m]
+    if n_splits is None:
+        n_splits = num_splits(h, triton.cdiv(max_keys, block_n) + 1, dev, programs_per_sm)
+    write_out = n_splits == 1 and not return_partials
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype not in Q_DTYPES or out.stride(-1) != 1:
+        raise ValueError(f"out must be {list(q.shape)} in {Q_DTYPES} with last dim contiguous, "
+                         f"got {out.dtype} {tuple(out.shape)} stride {out.stride()}")
+    f32 = dict(dtype=torch.float32, device=dev)
+    part = Partials(torch.empty(n_splits, n_q, n_heads, **f32),
+                    torch.empty(n_splits, n_q, n_heads, **f32),
+                    torch.empty(n_splits, n_q, n_heads, d, **f32))
+    p_len = _device_scalar(seq_len, dev, "seq_len")
+    p_start = _device_scalar(key_start, dev, "key_start") if key_start is not None else p_len
+    p_end = _device_scalar(key_end, dev, "key_end") if key_end is not None else p_len
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    _decode_attention_kernel[(h, n_splits)](
+        q, k_pool, v_pool, page_table, p_len, p_start, p_end, out, *part, scale * LOG2E, n_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        N_Q=n_q, GQA=gqa, N_HEADS=n_heads, HEAD_DIM=d,
+        K_FMT=k_fmt.kv_type.code, K_PAGE_BYTES=k_fmt.page_bytes, K_SCALE_OFF=k_fmt.scale_offset,
+        V_FMT=v_fmt.kv_type.code, V_PAGE_BYTES=v_fmt.page_bytes, V_SCALE_OFF=v_fmt.scale_offset,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_START=key_start is not None, HAS_END=key_end is not None, WRITE_OUT=write_out,
+        ASM=use_asm(dev),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if return_partials:
+        return part
+    if not write_out:
+        merge(part, out=out)
+    return out
+
+
+def merge(*parts: Partials, out: torch.Tensor | None = None,
+          dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Combine partials over disjoint key sets (any split counts) -> out [n_q, n_heads, D]."""
+    if not parts:
+        raise ValueError("merge needs at least one Partials")
+    n_q, n_heads, d = parts[0].acc.shape[1:]
+    for p in parts:
+        if p.m.dtype != torch.float32 or p.acc.shape[1:] != (n_q, n_heads, d) \
+                or p.m.shape != p.acc.shape[:3] or p.l.shape != p.m.shape:
+            raise ValueError(f"partials must be fp32 m, l [S, {n_q}, {n_heads}] and acc "
+                             f"[S, {n_q}, {n_heads}, {d}], got {p.m.dtype} "
+                             f"{tuple(p.m.shape)} {tuple(p.l.shape)} {tuple(p.acc.shape)}")
+    m, l, acc = (torch.cat(x).contiguous() if len(parts) > 1 else x[0].contiguous()
+                 for x in zip(*parts))
+    if out is None:
+        out = torch.empty(n_q, n_heads, d, dtype=dtype, device=m.device)
+    if out.shape != (n_q, n_heads, d) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{n_q}, {n_heads}, {d}] with last dim contiguous, got "
+                         f"{tuple(out.shape)} stride {out.stride()}")
+    block_s = min(MERGE_BLOCK_S, triton.next_power_of_2(m.shape[0]))
+    _merge_kernel[(n_q * n_heads, d // MERGE_BLOCK_D)](
+        m, l, acc, out, m.shape[0], out.stride(0), out.stride(1),
+        N_ROWS=n_q * n_heads, N_HEADS=n_heads, HEAD_DIM=d, BLOCK_S=block_s,
+        BLOCK_D=MERGE_BLOCK_D, num_warps=4,
+    )
+    return out

@@ -1,0 +1,177 @@
+"""Plain-torch references: GGML block codec, quantize-on-store, page gather, paged decode
+attention with partials and their merge.
+
+The codec follows ``gguf.quants`` operation by operation in float32 (each step a separate
+torch op, so nothing is contracted into an FMA): q8_0 ``d = amax / 127``, ``id = 1 / d``,
+``q = roundf(x * id)`` (half away from zero); q4_0 ``d = v / -8`` with ``v`` the first
+element of largest magnitude, ``q = min(15, trunc(x * id + 8.5))``. The quants use the
+float32 ``d``; only the stored scale is rounded to fp16. Non-finite ``x * id`` (only when
+``1 / d`` overflows, i.e. every |x| < ~2^-125) gives quant 0, which is what gguf's numpy
+float -> uint8 cast gives on x86.
+
+Partials of attention are in base 2: ``m`` = max of ``q.k * scale * log2(e)`` over the
+visible keys, ``l = sum 2^(s - m)``, ``acc = sum 2^(s - m) v``; a segment with no visible
+key has ``m = -inf, l = 0, acc = 0``. On CPU these functions are the runtime's kernels.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from kernels.formats import BLOCK, F16, PAGE_TOKENS, PageFormat, KVType, kv_type
+
+LOG2E = 1.4426950408889634
+
+
+class Partials(NamedTuple):
+    """Unnormalised attention over some keys. m, l: [S, n_q, n_heads]; acc: [S, n_q, n_heads, D]."""
+
+    m: torch.Tensor
+    l: torch.Tensor
+    acc: torch.Tensor
+
+
+# ---- GGML codec ------------------------------------------------------------------------
+
+def _finite_or_zero(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v.abs() < 256, v, torch.zeros_like(v))  # NaN/inf -> 0 (x86 numpy cast)
+
+
+def quantize(x: torch.Tensor, t: str | KVType) -> torch.Tensor:
+    """float [..., 32k] -> uint8 [..., k * block_bytes] GGML blocks, byte-exact with gguf."""
+    t = kv_type(t)
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"last dim must be a multiple of {BLOCK}, got {tuple(x.shape)}")
+    lead, n = x.shape[:-1], x.shape[-1] // BLOCK
+    if t is F16:
+        return x.to(torch.float16).view(torch.uint8).reshape(*lead, n * t.block_bytes)
+    b = x.to(torch.float32).reshape(-1, BLOCK)
+    if t.code == 1:  # q8_0
+        d = b.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d == 0, 0.0, 1 / d)
+        v = b * inv
+        a = v.abs()
+        fl = a.floor()
+        r = _finite_or_zero(torch.sign(v) * (fl + (2 * (a - fl)).floor()))
+        qs = r.to(torch.int8).view(torch.uint8)
+    else:  # q4_0
+        mx = b.gather(-1, b.abs().argmax(-1, keepdim=True))  # first of largest magnitude
+        d = mx / -8
+        inv = torch.where(d == 0, 0.0, 1 / d)
+        v = b * inv
+        v = v + 8.5
+        q = _finite_or_zero(v.trunc()).to(torch.int32).clamp(max=15).to(torch.uint8)
+        qs = q[:, :16] | (q[:, 16:] << 4)
+    sc = d.to(torch.float16).view(torch.uint8)
+    return torch.cat([sc, qs], dim=-1).reshape(*lead, n * t.block_bytes)
+
+
+def dequantize(blocks: torch.Tensor, t: str | KVType) -> torch.Tensor:
+    """uint8 [..., k * block_bytes] GGML blocks -> float32 [..., 32k] (exact)."""
+    t = kv_type(t)
+    lead = blocks.shape[:-1]
+    b = blocks.reshape(-1, t.block_bytes)
+    if t is F16:
+        return b.contiguous().view(torch.float16).float().reshape(*lead, -1)
+    d = b[:, :2].contiguous().view(torch.float16).float()
+    if t.code == 1:
+        q = b[:, 2:].contiguous().view(torch.int8).float()
+    else:
+        qs = b[:, 2:].to(torch.int16)
+        q = (torch.cat([qs & 15, qs >> 4], dim=-1) - 8).float()
+    return (q * d).reshape(*lead, -1)
+
+
+# ---- pages -----------------------------------------------------------------------------
+
+def _page_views(pool: torch.Tensor, fmt: PageFormat):
+    """pool [n_pages, page_bytes] -> quants [n_pages, H, 256, qrow], scales [n_pages, H, 256, 2*nb]."""
+    n, h = pool.shape[0], fmt.n_kv_heads
+    q = pool[:, : fmt.scale_offset].view(n, h, PAGE_TOKENS, fmt.qrow_bytes)
+    s = pool[:, fmt.scale_offset :].view(n, h, PAGE_TOKENS, fmt.blocks_per_head * fmt.kv_type.scale_bytes)
+    return q, s
+
+
+def store(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fmt: PageFormat) -> None:
+    """Quantize rows [n, H, D] into pool [n_pages, page_bytes] at flat slots [n] (page * 256 +
+    token); negative slots are skipped."""
+    keep = slots >= 0
+    rows, slots = rows[keep], slots[keep].long()
+    t, nb = fmt.kv_type, fmt.blocks_per_head
+    g = quantize(rows, t).view(-1, fmt.n_kv_heads, nb, t.block_bytes)  # [n, H, nb, bb]
+    q, s = _page_views(pool, fmt)
+    page, tok = slots // PAGE_TOKENS, slots % PAGE_TOKENS
+    q[page, :, tok] = g[..., t.scale_bytes :].reshape(len(slots), fmt.n_kv_heads, -1)
+    if t.scale_bytes:
+        s[page, :, tok] = g[..., : t.scale_bytes].reshape(len(slots), fmt.n_kv_heads, -1)
+
+
+def dequantize_pages(pool: torch.Tensor, page_ids: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
+    """Pages page_ids [n] of pool -> float32 [n * 256, H, D]."""
+    t, nb = fmt.kv_type, fmt.blocks_per_head
+    q, s = _page_views(pool, fmt)
+    ids = page_ids.long()
+    qb = q[ids].reshape(-1, nb, t.quant_bytes)
+    blocks = torch.cat([s[ids].reshape(-1, nb, t.scale_bytes), qb], -1) if t.scale_bytes else qb
+    x = dequantize(blocks.reshape(len(ids), fmt.n_kv_heads, PAGE_TOKENS, -1), t)
+    return x.transpose(1, 2).reshape(-1, fmt.n_kv_heads, fmt.head_dim)
+
+
+def gather(pool, page_ids, n_tokens: int, fmt: PageFormat, dtype=torch.float16) -> torch.Tensor:
+    """Pages -> contiguous dequantized [n_tokens, H, D] in dtype (tokens 0.. of page_ids[0])."""
+    n_pages = -(-n_tokens // PAGE_TOKENS)
+    return dequantize_pages(pool, page_ids[:n_pages], fmt)[:n_tokens].to(dtype)
+
+
+# ---- attention -------------------------------------------------------------------------
+
+def decode_attention_partials(q, k_pool, v_pool, page_table, seq_len, k_fmt: PageFormat,
+                              v_fmt: PageFormat, scale=None, key_start=None, key_end=None) -> Partials:
+    """One-split partials of q [n_q, n_heads, D] at positions [L - n_q, L) over the keys in
+    [key_start, min(key_end, L)); page_table[i] is the pool page of logical page i."""
+    L = int(seq_len)
+    n_q, n_heads, D = q.shape
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    ks = 0 if key_start is None else max(int(key_start), 0)
+    ke = L if key_end is None else min(int(key_end), L)
+    pg0, pg1 = ks // PAGE_TOKENS, max(-(-ke // PAGE_TOKENS), ks // PAGE_TOKENS)
+    ids = page_table[pg0:pg1].long()
+    k = dequantize_pages(k_pool, ids, k_fmt)  # [T, H, D], token pg0 * 256 + i
+    v = dequantize_pages(v_pool, ids, v_fmt)
+    pos = pg0 * PAGE_TOKENS + torch.arange(k.shape[0], device=q.device)
+    gqa = n_heads // k_fmt.n_kv_heads
+    k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)  # [T, n_heads, D]
+    s = torch.einsum("qhd,thd->qht", q.float() * (scale * LOG2E), k)
+    qpos = L - n_q + torch.arange(n_q, device=q.device)
+    vis = (pos >= ks) & (pos < ke) & (pos[None, :] <= qpos[:, None])  # [n_q, T]
+    s = s.masked_fill(~vis[:, None, :], -math.inf)
+    m = s.amax(-1) if s.shape[-1] else s.new_full((n_q, n_heads), -math.inf)
+    p = torch.exp2(s - torch.where(m == -math.inf, 0.0, m)[..., None])
+    acc = torch.einsum("qht,thd->qhd", p, v)
+    return Partials(m[None], p.sum(-1)[None], acc[None])
+
+
+def merge_partials(*parts: Partials) -> Partials:
+    """Merge partials over disjoint key sets (any number of splits each) into one split."""
+    m = torch.cat([p.m for p in parts])
+    l = torch.cat([p.l for p in parts])
+    acc = torch.cat([p.acc for p in parts])
+    mx = m.amax(0)
+    w = torch.exp2(m - torch.where(mx == -math.inf, 0.0, mx))  # -inf splits weigh 0
+    return Partials(mx[None], (w * l).sum(0)[None], (w[..., None] * acc).sum(0)[None])
+
+
+def finalize(p: Partials) -> torch.Tensor:
+    """Partials -> attention output float32 [n_q, n_heads, D] (0 where no key is visible)."""
+    p = merge_partials(p) if p.m.shape[0] != 1 else p
+    l = p.l[0]
+    return p.acc[0] / torch.where(l == 0, 1.0, l)[..., None]
+
+
+def decode_attention(q, k_pool, v_pool, page_table, seq_len, k_fmt, v_fmt, scale=None,
+                     key_start=None, key_end=None) -> torch.Tensor:
+    """Attention output float32 [n_q, n_heads, D]; see decode_attention_partials."""
+    return finalize(decode_attention_partials(q, k_pool, v_pool, page_table, seq_len, k_fmt,
+                                              v_fmt, scale, key_start, key_end))

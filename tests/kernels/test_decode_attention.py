@@ -1,0 +1,201 @@
+"""Paged decode attention: reference vs SDPA, kernel vs reference, segments merge, rejects."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from kernels.decode_attention import decode_attention, merge
+from kernels.formats import PAGE_TOKENS, PageFormat
+
+# (K type, V type, head_dim, n_kv_heads, GQA, n_q, L, n_splits, q dtype): every type pair,
+# head_dim 64/128, GQA 1/6/7, n_q 1..6 and 16, L 1/255/256/257/long, splits none/more than pages
+CASES = [
+    ("f16", "f16", 64, 1, 1, 1, 1, None, torch.float32),
+    ("q8_0", "q8_0", 128, 2, 6, 6, 257, 3, torch.float16),
+    ("q8_0", "q4_0", 64, 2, 7, 3, 255, None, torch.float32),
+    ("q4_0", "q4_0", 128, 1, 7, 5, 256, 2, torch.float16),
+    ("q8_0", "q4_0", 128, 2, 6, 1, 3000, None, torch.float16),
+    ("f16", "f16", 128, 2, 6, 4, 2049, 5, torch.float32),
+    ("q4_0", "q4_0", 64, 2, 1, 2, 4000, 7, torch.float32),
+    ("q8_0", "q8_0", 64, 1, 6, 16, 600, None, torch.float16),
+    ("q8_0", "q4_0", 64, 2, 7, 6, 6, 1, torch.float16),
+]
+
+
+def make_case(make_pool, gen, device, kt, vt, head_dim, n_kv_heads, gqa, n_q, L, dtype):
+    kf, vf = PageFormat(kt, n_kv_heads, head_dim), PageFormat(vt, n_kv_heads, head_dim)
+    n_pages = -(-L // PAGE_TOKENS)
+    k_pool, v_pool = make_pool(kf, 2 * n_pages + 1), make_pool(vf, 2 * n_pages + 1)
+    table = torch.randperm(2 * n_pages + 1, generator=gen)[:n_pages].int().to(device)  # sparse, permuted
+    q = torch.randn(n_q, n_kv_heads * gqa, head_dim, generator=gen).to(dtype).to(device)
+    return q, k_pool, v_pool, table, kf, vf
+
+
+def tolerance(v_pool, table, vf):
+    """Kernel vs fp32 reference: q, K, V and the probabilities are rounded to fp16 for tl.dot
+    (2^-11 relative each) and the output to q.dtype; the output is a convex combination of V
+    rows, so its error stays below ~2^-11 * a few * max|V|. We allow 4e-3 * max|V|."""
+    vmax = reference.dequantize_pages(v_pool.cpu(), table.cpu(), vf).abs().max().item()
+    return 4e-3 * vmax
+
+
+@pytest.mark.parametrize("case", [c[:7] for c in CASES[:5]])
+def test_reference_matches_sdpa(case, make_pool, gen):
+    kt, vt, head_dim, n_kv_heads, gqa, n_q, L = case
+    q, k_pool, v_pool, table, kf, vf = make_case(make_pool, gen, "cpu", *case, torch.float32)
+    k = reference.dequantize_pages(k_pool.cpu(), table.cpu(), kf)[:L]
+    v = reference.dequantize_pages(v_pool.cpu(), table.cpu(), vf)[:L]
+    mask = torch.arange(L)[None, :] <= (L - n_q + torch.arange(n_q))[:, None]  # causal block
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          v.transpose(0, 1)[None], attn_mask=mask,
+                                          enable_gqa=True)[0].transpose(0, 1)
+    got = reference.decode_attention(q, k_pool.cpu(), v_pool.cpu(), table.cpu(), L, kf, vf)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # both fp32; summation order only
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:8])))
+def test_kernel_matches_reference(case, make_pool, gen, device):
+    *shape, n_splits, dtype = case
+    q, k_pool, v_pool, table, kf, vf = make_case(make_pool, gen, device, *shape, dtype)
+    L = shape[6]
+    got = decode_attention(q, k_pool, v_pool, table, L, kf, vf, n_splits=n_splits)
+    want = reference.decode_attention(q.cpu(), k_pool.cpu(), v_pool.cpu(), table.cpu(), L, kf, vf)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.cpu().float(), want, rtol=0, atol=tolerance(v_pool, table, vf))
+
+
+@pytest.mark.parametrize("kt,L,n_q,key_start,key_end,n_splits", [
+    ("q8_0", 1, 1, None, None, None), ("q4_0", 255, 6, None, None, 2),
+    ("f16", 256, 3, None, None, None), ("q8_0", 257, 6, None, None, 3),
+    ("q4_0", 3001, 4, 700, None, 5), ("q8_0", 3001, 2, 255, 2049, 7),
+    ("q8_0", 600, 5, 597, None, 1), ("q4_0", 600, 16, None, 590, 2)])
+def test_visible_keys_exact(kt, L, n_q, key_start, key_end, n_splits, make_pool, gen, device):
+    """Every K row equal -> every visible key gets weight exactly 1, so each output row is
+    the plain mean of the V rows it may see (causal, key range, splits). f16 V and P = 1 are
+    exact in fp16, so only fp32 summation order remains (1e-5); one key missing or extra at
+    L = 3001 moves the mean by ~1e-4 * max|V| or more."""
+    head_dim, n_kv_heads, gqa = 128, 2, 7
+    kf, vf = PageFormat(kt, n_kv_heads, head_dim), PageFormat("f16", n_kv_heads, head_dim)
+    n_pages = -(-L // PAGE_TOKENS)
+    k_pool = torch.empty(n_pages + 2, kf.page_bytes, dtype=torch.uint8)
+    c = torch.randn(1, n_kv_heads, head_dim, generator=gen)
+    reference.store(k_pool, c.expand(k_pool.shape[0] * PAGE_TOKENS, -1, -1),
+                    torch.arange(k_pool.shape[0] * PAGE_TOKENS), kf)
+    v_pool = make_pool(vf, n_pages + 2)
+    table = torch.randperm(n_pages + 2, generator=gen)[:n_pages].int().to(device)
+    q = torch.randn(n_q, n_kv_heads * gqa, head_dim, generator=gen).to(device)
+    got = decode_attention(q, k_pool.to(device), v_pool, table, L, kf, vf, key_start=key_start,
+                           key_end=key_end, n_splits=n_splits, return_partials=True)
+    got = merge(got, dtype=torch.float32).cpu()
+    v = reference.dequantize_pages(v_pool.cpu(), table.cpu(), vf)[:L].repeat_interleave(gqa, 1)
+    ks, ke = key_start or 0, min(L, L if key_end is None else key_end)
+    for i in range(n_q):
+        hi = min(ke, L - n_q + i + 1)  # keys [ks, hi) visible to query i
+        want = v[ks:hi].mean(0) if hi > ks else torch.zeros_like(v[0])
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kt,vt,boundary", [("q8_0", "q4_0", 600), ("f16", "f16", 512),
+                                            ("q4_0", "q8_0", 1)])
+def test_segments_merge_to_one_pass(kt, vt, boundary, make_pool, gen, device):
+    """Resident pages (arena pool) + streamed pages (ring pool), each with its own page table
+    and key range, merged from partials == one pass over one table."""
+    head_dim, n_kv_heads, gqa, n_q, L = 64, 2, 6, 5, 1500
+    q, k_pool, v_pool, table, kf, vf = make_case(make_pool, gen, device, kt, vt, head_dim,
+                                                 n_kv_heads, gqa, n_q, L, torch.float32)
+    n_pages = table.shape[0]
+    first_b = boundary // PAGE_TOKENS  # first page segment B reads (shares it if unaligned)
+    ring = torch.randperm(8, generator=gen)[: n_pages - first_b].int().to(device)
+    k_ring = torch.zeros(8, kf.page_bytes, dtype=torch.uint8, device=device)
+    v_ring = torch.zeros(8, vf.page_bytes, dtype=torch.uint8, device=device)
+    k_ring[ring.long()], v_ring[ring.long()] = k_pool[table[first_b:].long()], v_pool[table[first_b:].long()]
+    table_a = torch.full_like(table, -1)  # entries outside a segment are never read
+    table_a[: -(-boundary // PAGE_TOKENS)] = table[: -(-boundary // PAGE_TOKENS)]
+    table_b = torch.full_like(table, -1)
+    table_b[first_b:] = ring
+
+    one = decode_attention(q, k_pool, v_pool, table, L, kf, vf)
+    pa = decode_attention(q, k_pool, v_pool, table_a, L, kf, vf, key_end=boundary,
+                          n_splits=3, return_partials=True)
+    pb = decode_attention(q, k_ring, v_ring, table_b, L, kf, vf, key_start=boundary,
+                          return_partials=True)
+    empty = decode_attention(q, k_ring, v_ring, table_b, L, kf, vf, key_start=boundary,
+                             key_end=boundary, n_splits=2, return_partials=True)
+    assert torch.all(empty.m == -math.inf) and not empty.l.any() and not empty.acc.any()
+    merged = merge(pa, empty, pb, dtype=torch.float32)
+    # same fp32 math, regrouped: the fp16 rounding of probabilities is relative to each
+    # split's running max, so merged and one-pass differ like kernel and reference do
+    atol = tolerance(v_pool, table, vf)
+    torch.testing.assert_close(merged, one, rtol=0, atol=atol)
+    ref = reference.decode_attention(q.cpu(), k_pool.cpu(), v_pool.cpu(), table.cpu(), L, kf, vf)
+    torch.testing.assert_close(merged.cpu(), ref, rtol=0, atol=atol)
+
+    # the reference's merge is the same math in fp32 only: tight
+    args = (q.cpu(), k_pool.cpu(), v_pool.cpu(), table.cpu(), L, kf, vf)
+    ra = reference.decode_attention_partials(*args, key_end=boundary)
+    rb = reference.decode_attention_partials(*args, key_start=boundary)
+    torch.testing.assert_close(reference.finalize(reference.merge_partials(ra, rb)), ref,
+                               rtol=1e-5, atol=1e-6)
+
+    # lengths as device tensors (CUDA-graph form) give bit-identical results
+    t = lambda x: torch.tensor([x], device=device)  # noqa: E731
+    pb_t = decode_attention(q, k_ring, v_ring, table_b, t(L), kf, vf, key_start=t(boundary),
+                            return_partials=True)
+    assert all(torch.equal(x, y) for x, y in zip(pb, pb_t))
+
+
+def test_merge_many_splits(gen, device):
+    """More splits than one merge pass takes (256), some of them empty (m = -inf)."""
+    S, n_q, n_heads, d = 300, 2, 3, 64
+    m = torch.randn(S, n_q, n_heads, generator=gen) * 4
+    m[::7] = -math.inf
+    l = torch.rand(S, n_q, n_heads, generator=gen) + 0.5
+    l[::7] = 0
+    acc = torch.randn(S, n_q, n_heads, d, generator=gen) * l[..., None]
+    acc[::7] = 0
+    parts = reference.Partials(m, l, acc)
+    got = merge(reference.Partials(*(x.to(device) for x in parts)), dtype=torch.float32)
+    torch.testing.assert_close(got.cpu(), reference.finalize(parts), rtol=1e-5, atol=1e-6)  # fp32 sums
+
+
+def test_decode_rejects_bad_inputs(device):
+    kf, vf = PageFormat("q8_0", 2, 64), PageFormat("q4_0", 2, 64)
+    kp = torch.zeros(3, kf.page_bytes, dtype=torch.uint8, device=device)
+    vp = torch.zeros(3, vf.page_bytes, dtype=torch.uint8, device=device)
+    table = torch.arange(3, dtype=torch.int32, device=device)
+    q = torch.randn(2, 12, 64, device=device)
+    ok = lambda **kw: dict(dict(q=q, k_pool=kp, v_pool=vp, page_table=table, seq_len=600,  # noqa: E731
+                                k_fmt=kf, v_fmt=vf), **kw)
+    bad = [
+        (dict(q=q.to(torch.int32)), "q must be .* in"),
+        (dict(q=torch.randn(2, 12, 128, device=device)[..., ::2]), "last dim contiguous"),
+        (dict(q=torch.randn(2, 12, 128, device=device)), r"q must be \[n_q, a multiple of 2, 64\]"),
+        (dict(q=torch.randn(2, 11, 64, device=device)), "a multiple of 2"),
+        (dict(q=torch.randn(17, 12, 64, device=device)), r"n_q must be in \[1, 16\]"),
+        (dict(q=torch.randn(16, 24, 64, device=device)), "must be <= 128"),
+        (dict(page_table=table.long()), "page_table must be contiguous int32"),
+        (dict(k_pool=vp), rf"k_pool must be uint8 \[n_pages, {kf.page_bytes}\]"),
+        (dict(v_fmt=PageFormat("q4_0", 1, 64)), "must agree on n_kv_heads"),
+        (dict(seq_len=torch.tensor([600.0], device=device)), "seq_len must be an int or a 1-element"),
+        (dict(seq_len=800), r"covers 768 tokens, the key range needs 800 \(4 pages\)"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            decode_attention(**ok(**kw))
+
+
+@pytest.mark.bigmem
+@pytest.mark.parametrize("t", ["q8_0", "q4_0"])
+def test_decode_past_2gib(t, big_pool, make_pool, gen, device):
+    fmt = PageFormat(t, 1, 64)
+    pool, ids = big_pool(fmt)  # one page table for K and V: both read this pool (K = V data)
+    table = torch.tensor([ids[-1], ids[0], ids[1]], dtype=torch.int32, device=device)
+    pool[table.long()] = make_pool(fmt, 3)
+    q = torch.randn(2, 6, 64, generator=gen).to(device)
+    got = decode_attention(q, pool, pool, table, 700, fmt, fmt, n_splits=2)
+    small = pool[table.long()].cpu()
+    want = reference.decode_attention(q.cpu(), small, small, torch.arange(3, dtype=torch.int32),
+                                      700, fmt, fmt)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=tolerance(small, torch.arange(3), fmt))
