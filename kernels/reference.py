@@ -141,6 +141,9 @@ def decode_attention_partials(q, k_pool, v_pool, page_table, seq_len, k_fmt: Pag
     k = dequantize_pages(k_pool, ids, k_fmt)  # [T, H, D], token pg0 * 256 + i
     v = dequantize_pages(v_pool, ids, v_fmt)
     pos = pg0 * PAGE_TOKENS + torch.arange(k.shape[0], device=q.device)
+    # rows past the range are stale or never-written bytes (may decode to inf/NaN): 0 * NaN
+    # would leak into acc, so they are zeroed, as the kernel's masked loads do
+    v = torch.where(((pos >= ks) & (pos < ke))[:, None, None], v, 0.0)
     gqa = n_heads // k_fmt.n_kv_heads
     k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)  # [T, n_heads, D]
     s = torch.einsum("qhd,thd->qht", q.float() * (scale * LOG2E), k)

@@ -37,10 +37,26 @@ class Hardware:
 
 
 @dataclass
+class CacheConfig:
+    mode: str = "contiguous"   # contiguous (dense, model dtype) | resident (paged, all on device) | stream
+    type_k: str = "q8_0"       # f16 | q8_0 | q4_0
+    type_v: str = "q4_0"
+    ring_pages: int = 8        # stream mode: ring slots (K/V page pairs), two halves
+    residency: str = "newest"  # newest | sink_newest (policies/residency.py)
+
+
+@dataclass
+class ArenaConfig:
+    mib: str = "auto"          # MiB of the one device allocation, or auto: every page of the context fits
+
+
+@dataclass
 class GenerateConfig:
     model: ModelSource = field(default_factory=ModelSource)
     hardware: Hardware = field(default_factory=Hardware)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    arena: ArenaConfig = field(default_factory=ArenaConfig)
     prompt: str = "def quicksort(a):"
     chat: bool = False          # wrap the prompt in the GGUF's chat template
     system: str | None = None   # system message when chat=true

@@ -1,0 +1,164 @@
+"""The phase arena: ONE device allocation that bounds what a phase may use.
+
+Bottom-up, a phase lays out its regions; top-down, a pinned region is bump-allocated::
+
+    0                                                                      nbytes
+    | slab | K ring | K pool | V ring | V pool |   free   | pinned (grows down) |
+
+- slab: the phase's compute buffers, sized by a reserve pass that measures the phase's peak;
+- ring: slots that streamed pages are copied into (K and V; one K/V page pair per slot);
+- pool: resident pages, one K/V pair per (layer, logical page) that stays on the device;
+- pinned: draft weights, draft KV, anything a draft widens (``pin`` / ``mark`` / ``reset``).
+
+Ring and pool slots of one kind are adjacent, so one page table can point at either: an
+attention call reads resident and streamed pages alike. Every region is a view into the one
+buffer; nothing here allocates after construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256  # bytes: every region starts aligned (kernels need 16; 256 keeps cache lines whole)
+MIB = 1 << 20
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class ArenaTooSmall(ValueError):
+    """The arena cannot hold what a phase needs; the message gives needed vs given bytes."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte layout of one phase. ``pages`` counts K/V page pairs (one layer, 256 tokens)."""
+
+    nbytes: int
+    slab: int
+    ring_pages: int
+    pool_pages: int
+    k_page: int
+    v_page: int
+    pinned: int
+
+    @property
+    def pair(self) -> int:
+        return self.k_page + self.v_page
+
+    @property
+    def k_offset(self) -> int:
+        return _up(self.slab)
+
+    @property
+    def v_offset(self) -> int:
+        return _up(self.k_offset + (self.ring_pages + self.pool_pages) * self.k_page)
+
+    @property
+    def end(self) -> int:
+        return self.v_offset + (self.ring_pages + self.pool_pages) * self.v_page
+
+    def mib(self) -> dict[str, float]:
+        """MiB per region, for reports."""
+        return {
+            "arena": self.nbytes / MIB,
+            "slab": self.slab / MIB,
+            "ring": self.ring_pages * self.pair / MIB,
+            "pool": self.pool_pages * self.pair / MIB,
+            "pinned": self.pinned / MIB,
+            "free": (self.nbytes - self.pinned - self.end) / MIB,
+        }
+
+
+class Arena:
+    """One ``uint8`` allocation of ``nbytes`` on ``device`` and views into it."""
+
+    def __init__(self, nbytes: int, device: str | torch.device):
+        if nbytes <= 0:
+            raise ArenaTooSmall(f"arena size must be positive, got {nbytes} bytes")
+        self.nbytes = int(nbytes)
+        self.buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.top = self.nbytes  # the pinned region is [top, nbytes)
+        self.floor = 0  # bytes the current layout uses from the bottom; pins may not cross it
+        self.pinned: list[tuple[str, int, int]] = []  # (name, offset, nbytes), in pin order
+
+    @property
+    def device(self) -> torch.device:
+        return self.buf.device
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.nbytes - self.top
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A typed view of ``shape`` at byte ``offset`` (must be aligned to the dtype)."""
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        if offset < 0 or offset + n > self.nbytes:
+            raise ValueError(f"view of {n} bytes at offset {offset} is outside the {self.nbytes}-byte arena")
+        return self.buf[offset:offset + n].view(dtype).view(shape)
+
+    # ---- pinned region, from the top --------------------------------------------------------
+
+    def pin(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Bump-allocate a tensor from the top of the arena (below earlier pins)."""
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        new_top = (self.top - n) // ALIGN * ALIGN
+        if new_top < self.floor:
+            raise ArenaTooSmall(
+                f"pinning {name!r} needs {n / MIB:.2f} MiB but only {(self.top - self.floor) / MIB:.2f} MiB "
+                f"are free above the current layout ({self.pinned_bytes / MIB:.2f} MiB already pinned, "
+                f"arena {self.nbytes / MIB:.2f} MiB)")
+        self.top = new_top
+        self.pinned.append((name, new_top, n))
+        return self.view(new_top, shape, dtype)
+
+    def mark(self) -> int:
+        """A mark to ``reset`` to: everything pinned after it is released together."""
+        return len(self.pinned)
+
+    def reset(self, mark: int = 0) -> int:
+        """Release the pins made after ``mark``; returns the bytes given back."""
+        before = self.top
+        del self.pinned[mark:]
+        self.top = self.pinned[-1][1] if self.pinned else self.nbytes
+        return self.top - before
+
+    # ---- phase layout, from the bottom ------------------------------------------------------
+
+    def lay_out(self, slab: int, ring_pages: int, k_page: int, v_page: int, min_pool_pages: int) -> Layout:
+        """Lay out slab, ring and as many pool pages as fit below the pinned region."""
+        pair = k_page + v_page
+        fixed = _up(slab) + 2 * ALIGN + ring_pages * pair  # the V region starts aligned too
+        pool = max(0, (self.top - fixed) // pair)
+        need = fixed + min_pool_pages * pair
+        if pool < min_pool_pages:
+            raise ArenaTooSmall(
+                f"arena of {self.nbytes / MIB:.2f} MiB is too small: slab {slab / MIB:.2f} MiB + ring "
+                f"{ring_pages} pages ({ring_pages * pair / MIB:.2f} MiB) + at least {min_pool_pages} resident pages "
+                f"({min_pool_pages * pair / MIB:.2f} MiB) need {need / MIB:.2f} MiB"
+                + (f" besides {self.pinned_bytes / MIB:.2f} MiB pinned" if self.pinned_bytes else "")
+                + f"; give arena.mib >= {-(-(need + self.pinned_bytes) // MIB)}")
+        layout = Layout(self.nbytes, slab, ring_pages, pool, k_page, v_page, self.pinned_bytes)
+        self.floor = layout.end
+        return layout
+
+    def release_layout(self) -> None:
+        """Forget the current layout (its views must no longer be used), so pins may grow down
+        into the space it held; the caller lays out again afterwards (re-enabling a draft)."""
+        self.floor = 0
+
+    def pages(self, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V page spaces, uint8 [ring + pool, page bytes]: slots [0, ring) are the ring."""
+        n = layout.ring_pages + layout.pool_pages
+        return (self.view(layout.k_offset, (n, layout.k_page), torch.uint8),
+                self.view(layout.v_offset, (n, layout.v_page), torch.uint8))
+
+    def slab(self, layout: Layout) -> torch.Tensor:
+        return self.view(0, (layout.slab,), torch.uint8)

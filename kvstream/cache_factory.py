@@ -1,0 +1,59 @@
+"""Config -> KV cache: the contiguous cache, or a paged cache in a phase arena."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.formats import PAGE_TOKENS, PageFormat
+from policies.residency import RESIDENCY
+
+from .arena import ALIGN, MIB, Arena
+from .cache import ContiguousCache
+from .config import ArenaConfig, CacheConfig
+from .paged_cache import PagedCache
+
+
+def reserve_slab(model, n_tokens: int) -> int:
+    """Bytes of compute buffers one forward pass of ``n_tokens`` needs (the phase's peak).
+
+    On CUDA a reserve pass measures it: one forward through a scratch cache, peak allocated
+    bytes above the baseline. Elsewhere (no allocator statistics) it is the sum of the largest
+    live activations of one layer plus the logits, from the shapes."""
+    c = model.cfg
+    if model.device.type == "cuda":
+        scratch = ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, n_tokens, model.dtype, model.device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            model(torch.zeros(n_tokens, dtype=torch.long, device=model.device), scratch)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    width = 3 * c.hidden + (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.ffn
+    return n_tokens * (width * model.dtype.itemsize + c.vocab_size * 4)
+
+
+def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, widest_batch: int):
+    """The cache ``cache.mode`` names for ``max_tokens`` tokens; ``widest_batch`` is the largest
+    forward pass (prefill chunk or verify batch) the phase will run."""
+    c = model.cfg
+    if cache.mode == "contiguous":
+        return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, model.dtype, model.device)
+    if max_tokens > c.context_length:
+        raise ValueError(f"context of {max_tokens} tokens exceeds the model's {c.context_length}")
+    if cache.residency not in RESIDENCY:
+        raise ValueError(f"cache.residency={cache.residency!r}; choose one of {', '.join(RESIDENCY)}")
+    slab = reserve_slab(model, widest_batch)
+    if arena.mib == "auto":  # room for every page of the context: nothing needs to stream
+        pair = (PageFormat(cache.type_k, c.n_kv_heads, c.head_dim).page_bytes
+                + PageFormat(cache.type_v, c.n_kv_heads, c.head_dim).page_bytes)
+        pages = c.n_layers * -(-max_tokens // PAGE_TOKENS) + (cache.ring_pages if cache.mode == "stream" else 0)
+        nbytes = slab + pages * pair + 4 * ALIGN
+    else:
+        try:
+            nbytes = int(float(arena.mib) * MIB)
+        except ValueError:
+            raise ValueError(f"arena.mib={arena.mib!r}: give a number of MiB or auto") from None
+    return PagedCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=max_tokens,
+                      type_k=cache.type_k, type_v=cache.type_v, mode=cache.mode, arena=Arena(nbytes, model.device),
+                      ring_pages=cache.ring_pages, slab_bytes=slab, residency=RESIDENCY[cache.residency]())

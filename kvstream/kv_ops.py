@@ -1,0 +1,45 @@
+"""The page operations the caches use: Triton kernels on CUDA, their plain-torch references
+elsewhere (DESIGN.md: on CPU the references take the kernels' place)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+from kernels.formats import PageFormat
+
+
+class KVOps:
+    """store / gather / attention-partials / merge for one device."""
+
+    def __init__(self, device: torch.device):
+        self.triton = device.type == "cuda"
+        if self.triton:
+            from kernels import decode_attention, gather, store
+
+            self._store, self._gather = store.store, gather.gather
+            self._attn, self._merge = decode_attention.decode_attention, decode_attention.merge
+
+    def store(self, pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fmt: PageFormat) -> None:
+        (self._store if self.triton else reference.store)(pool, rows, slots, fmt)
+
+    def gather(self, pool, page_ids, n_tokens: int, fmt: PageFormat, dtype) -> torch.Tensor:
+        return (self._gather if self.triton else reference.gather)(pool, page_ids, n_tokens, fmt, dtype)
+
+    def partials(self, q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start=None, key_end=None):
+        if self.triton:
+            return self._attn(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start=key_start,
+                              key_end=key_end, return_partials=True)
+        return reference.decode_attention_partials(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt,
+                                                   key_start=key_start, key_end=key_end)
+
+    def attention(self, q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt) -> torch.Tensor:
+        """One pass over every key: out [n_q, n_heads, D] in q's dtype."""
+        if self.triton:
+            return self._attn(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt)
+        return reference.decode_attention(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt).to(q.dtype)
+
+    def merge(self, parts, dtype: torch.dtype) -> torch.Tensor:
+        if self.triton:
+            return self._merge(*parts, dtype=dtype)
+        return reference.finalize(reference.merge_partials(*parts)).to(dtype)

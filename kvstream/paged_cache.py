@@ -1,0 +1,273 @@
+"""Paged, quantized, host-authoritative KV cache in the phase arena: resident or streamed.
+
+Same interface as ``ContiguousCache`` (begin / attend / commit / truncate), so the model does
+not change between modes. Per forward pass of n new tokens at positions [L, L + n):
+
+1. ``begin``: the pages being written join the resident set (policy: ``policies.residency``);
+   pages that enter it are uploaded from the host store; page tables and streaming rounds are
+   rebuilt only when residency changes (once per 256 tokens in steady decode).
+2. ``attend(layer, ...)``: quantize-on-store into the tail pages; then attention. A *round* is
+   a contiguous run of logical pages holding at most half the ring's slots of streamed pages;
+   its streamed pages are copied host -> ring (one copy per run, on a copy stream, the next
+   round's while this one computes; ring halves alternate). One round: a single attention
+   call over every page, exactly the resident-mode call. Several rounds: the kernel's
+   partials per round, merged. Prefill chunks (n > 16) gather dequantized pages and use SDPA.
+3. ``commit``: the written pages go back to the host store, which thus holds every committed
+   row; ``truncate`` is a shorter length (stale rows are never read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kernels.decode_attention import MAX_N_Q
+from kernels.formats import PAGE_TOKENS, PageFormat
+from policies.residency import NewestResident
+
+from .arena import Arena, ArenaTooSmall, Layout
+from .cache import ContextOverflow
+from .host_store import HostStore
+from .kv_ops import KVOps
+
+MODES = ("resident", "stream")
+
+
+@dataclass
+class StepStats:
+    """What the last forward pass moved (telemetry)."""
+
+    streamed_pages: int = 0  # per layer
+    resident_pages: int = 0  # per layer
+    rounds: int = 0  # per layer
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    uploads: list[int] = field(default_factory=list)  # logical pages re-uploaded this step
+
+
+class _Copier:
+    """Host<->device copies on a side stream with events (CUDA); plain copies elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+            self.free = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, half: int | None = None) -> None:
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self.stream):
+            if half is not None:
+                self.stream.wait_event(self.free[half])  # the half's previous reader is done
+            else:
+                self.stream.wait_stream(torch.cuda.current_stream())
+            dst.copy_(src, non_blocking=True)
+            if half is not None:
+                self.ready[half].record(self.stream)
+
+    def wait(self, half: int | None = None) -> None:
+        if self.cuda:
+            s = torch.cuda.current_stream()
+            s.wait_event(self.ready[half]) if half is not None else s.wait_stream(self.stream)
+
+    def release(self, half: int) -> None:
+        if self.cuda:
+            self.free[half].record(torch.cuda.current_stream())
+
+
+class PagedCache:
+    def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
+                 type_v: str, mode: str, arena: Arena, ring_pages: int, slab_bytes: int,
+                 residency=NewestResident()):
+        if mode not in MODES:
+            raise ValueError(f"cache.mode={mode!r}; choose one of {', '.join(MODES)}")
+        if mode == "stream" and ring_pages < 2:
+            raise ValueError(f"cache.ring_pages={ring_pages}: streaming needs >= 2 ring slots (two halves)")
+        self.k_fmt = PageFormat(type_k, n_kv_heads, head_dim)
+        self.v_fmt = PageFormat(type_v, n_kv_heads, head_dim)
+        self.n_layers, self.mode, self.arena, self.residency = n_layers, mode, arena, residency
+        self.max_tokens = max_tokens
+        self.max_pages = -(-max_tokens // PAGE_TOKENS)
+        self.device = arena.device
+        self.host = HostStore(n_layers, self.max_pages, self.k_fmt, self.v_fmt, pin=self.device.type == "cuda")
+        self.ops = KVOps(self.device)
+        self.copier = _Copier(self.device)
+        self.ring_pages = ring_pages if mode == "stream" else 0
+        self.length = 0
+        self._n = 0
+        self.stats = StepStats()
+        self.relayout(slab_bytes)
+
+    # ---- layout and residency ------------------------------------------------------------
+
+    def relayout(self, slab_bytes: int) -> Layout:
+        """(Re)build the arena layout: at a phase switch, or when the pinned region changed."""
+        # resident mode holds every page; streaming needs the pages one verify batch can write
+        min_pages = self.max_pages if self.mode == "resident" else min(self.max_pages, 2)
+        try:
+            self.layout = self.arena.lay_out(slab_bytes, self.ring_pages, self.k_fmt.page_bytes,
+                                             self.v_fmt.page_bytes, self.n_layers * min_pages)
+        except ArenaTooSmall as e:
+            raise ArenaTooSmall(f"cache.mode={self.mode}, {self.max_tokens} tokens x {self.n_layers} layers "
+                                f"({self.k_fmt.kv_type.name}/{self.v_fmt.kv_type.name}): {e}") from None
+        self.capacity = min(self.layout.pool_pages // self.n_layers, self.max_pages)  # pages per layer
+        self.kspace, self.vspace = self.arena.pages(self.layout)
+        self.slot: dict[int, int] = {}  # resident logical page -> index in [0, capacity)
+        self.tables_host = torch.zeros((self.n_layers, self.max_pages), dtype=torch.int32)
+        self.tables = torch.zeros_like(self.tables_host, device=self.device)
+        self.rounds: list[tuple[int, int, list[int]]] = []  # (first page, end page, streamed pages)
+        self._n_pages = 0
+        self._plan(-(-self.length // PAGE_TOKENS), upload_below=-(-self.length // PAGE_TOKENS))
+        return self.layout
+
+    def capacity_with(self, extra_pinned_bytes: int) -> int:
+        """Pages per layer the pool would hold with ``extra_pinned_bytes`` more (or fewer) pinned."""
+        pool = self.layout.pool_pages * self.layout.pair - extra_pinned_bytes
+        return max(0, pool // self.layout.pair // self.n_layers)
+
+    def _pool_slot(self, layer: int, j: int) -> int:
+        return self.ring_pages + layer * self.capacity + j
+
+    def _plan(self, n_pages: int, upload_below: int) -> None:
+        """Make the policy's resident set for ``n_pages`` pages current; pages entering it that
+        hold committed rows (``< upload_below``) are uploaded from the host store."""
+        want = list(self.residency.resident(n_pages, self.capacity))
+        if len(want) > self.capacity or any(not 0 <= p < n_pages for p in want):
+            raise ValueError(f"residency policy returned {len(want)} pages for capacity {self.capacity}")
+        for p in [p for p in self.slot if p not in set(want)]:
+            del self.slot[p]
+        free = sorted(set(range(self.capacity)) - set(self.slot.values()))
+        uploads = []
+        self.copier.wait()  # the host copies of those pages were written on the copy stream
+        for p in want:
+            if p not in self.slot:
+                self.slot[p] = free.pop(0)
+                if p < upload_below:
+                    uploads.append(p)
+        for p in uploads:
+            idx = torch.tensor([self._pool_slot(l, self.slot[p]) for l in range(self.n_layers)], device=self.device)
+            self.kspace.index_copy_(0, idx, self.host.k[:, p].to(self.device, non_blocking=True))
+            self.vspace.index_copy_(0, idx, self.host.v[:, p].to(self.device, non_blocking=True))
+            self.stats.h2d_bytes += self.n_layers * self.layout.pair
+        self.stats.uploads += uploads
+        # rounds: contiguous page runs with at most half the ring of streamed pages each
+        half = max(1, self.ring_pages // 2)
+        self.rounds, start, streamed = [], 0, []
+        for p in range(n_pages):
+            if p not in self.slot:
+                if len(streamed) == half:
+                    self.rounds.append((start, p, streamed))
+                    start, streamed = p, []
+                streamed.append(p)
+        self.rounds.append((start, n_pages, streamed))
+        for l in range(self.n_layers):
+            for r, (_, _, pages) in enumerate(self.rounds):
+                h = self._half(l, r)
+                for i, p in enumerate(pages):
+                    self.tables_host[l, p] = h * half + i
+            for p, j in self.slot.items():
+                self.tables_host[l, p] = self._pool_slot(l, j)
+        self.tables.copy_(self.tables_host)
+        self._n_pages = n_pages
+
+    def _half(self, layer: int, r: int) -> int:
+        return (layer * len(self.rounds) + r) % 2  # consecutive rounds alternate ring halves
+
+    # ---- the cache interface ------------------------------------------------------------
+
+    def begin(self, n: int) -> torch.Tensor:
+        if self.length + n > self.max_tokens:
+            raise ContextOverflow(f"context of {self.length + n} tokens exceeds the cache's {self.max_tokens} "
+                                  f"(host store sized for {self.max_pages} pages per layer)")
+        self.stats = StepStats()
+        first, n_pages = self.length // PAGE_TOKENS, -(-(self.length + n) // PAGE_TOKENS)
+        if n_pages - first > self.capacity:
+            raise ArenaTooSmall(f"a batch of {n} tokens at position {self.length} writes {n_pages - first} pages "
+                                f"per layer but only {self.capacity} fit in the pool; use smaller prefill chunks "
+                                f"or a larger arena")
+        touched = range(first, n_pages)
+        if n_pages != self._n_pages or any(p not in self.slot for p in touched):
+            self._plan(n_pages, upload_below=-(-self.length // PAGE_TOKENS))
+        self._n = n
+        self.pos = torch.arange(self.length, self.length + n, device=self.device)
+        s = self.rounds
+        self.stats.streamed_pages = sum(len(r[2]) for r in s)
+        self.stats.resident_pages = n_pages - self.stats.streamed_pages
+        self.stats.rounds = len(s)
+        self._prefetch(0, 0)
+        return self.pos
+
+    def _prefetch(self, layer: int, r: int) -> None:
+        if layer >= self.n_layers:
+            return
+        pages = self.rounds[r][2]
+        if not pages:
+            return
+        h, half = self._half(layer, r), max(1, self.ring_pages // 2)
+        a, n = pages[0], len(pages)
+        runs = [(a, n)] if pages[-1] - a == n - 1 else [(p, 1) for p in pages]  # one copy per contiguous run
+        i = 0
+        for p, m in runs:
+            self.copier.copy(self.kspace[h * half + i:h * half + i + m], self.host.k[layer, p:p + m], h)
+            self.copier.copy(self.vspace[h * half + i:h * half + i + m], self.host.v[layer, p:p + m], h)
+            i += m
+        self.stats.h2d_bytes += n * self.layout.pair
+
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """q [n, H, D], k_new / v_new [n, KVH, D] -> attention output [n, H, D] in q's dtype."""
+        table = self.tables[layer]
+        slots = table[self.pos // PAGE_TOKENS].long() * PAGE_TOKENS + self.pos % PAGE_TOKENS
+        self.ops.store(self.kspace, k_new.contiguous(), slots, self.k_fmt)
+        self.ops.store(self.vspace, v_new.contiguous(), slots, self.v_fmt)
+        L = self.length + self._n
+        if self._n > MAX_N_Q:
+            return self._prefill_attention(layer, q, L)
+        parts = []
+        for r, (a, b, _) in enumerate(self.rounds):
+            self.copier.wait(self._half(layer, r))
+            if len(self.rounds) == 1:  # everything in one call: the resident-mode computation
+                out = self.ops.attention(q, self.kspace, self.vspace, table, L, self.k_fmt, self.v_fmt)
+            else:
+                end = None if r == len(self.rounds) - 1 else b * PAGE_TOKENS
+                parts.append(self.ops.partials(q, self.kspace, self.vspace, table, L, self.k_fmt, self.v_fmt,
+                                               key_start=a * PAGE_TOKENS, key_end=end))
+            self.copier.release(self._half(layer, r))
+            self._prefetch(*((layer, r + 1) if r + 1 < len(self.rounds) else (layer + 1, 0)))
+        return out if not parts else self.ops.merge(parts, q.dtype)
+
+    def _prefill_attention(self, layer: int, q: torch.Tensor, L: int) -> torch.Tensor:
+        n, table = self._n, self.tables[layer]
+        k = torch.empty((L, self.k_fmt.n_kv_heads, self.k_fmt.head_dim), dtype=q.dtype, device=q.device)
+        v = torch.empty_like(k)
+        for r, (a, b, _) in enumerate(self.rounds):
+            self.copier.wait(self._half(layer, r))
+            lo, hi = a * PAGE_TOKENS, min(b * PAGE_TOKENS, L)
+            k[lo:hi] = self.ops.gather(self.kspace, table[a:b], hi - lo, self.k_fmt, q.dtype)
+            v[lo:hi] = self.ops.gather(self.vspace, table[a:b], hi - lo, self.v_fmt, q.dtype)
+            self.copier.release(self._half(layer, r))
+            self._prefetch(*((layer, r + 1) if r + 1 < len(self.rounds) else (layer + 1, 0)))
+        mask = torch.arange(L, device=q.device)[None, :] <= self.pos[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    def commit(self) -> None:
+        """The new rows become history; their pages go back to the host store."""
+        first, end = self.length // PAGE_TOKENS, -(-(self.length + self._n) // PAGE_TOKENS)
+        idx = self.tables[:, first:end].reshape(-1).long()
+        shape = (self.n_layers, end - first)
+        self.copier.copy(self.host.k[:, first:end], self.kspace.index_select(0, idx).view(*shape, -1))
+        self.copier.copy(self.host.v[:, first:end], self.vspace.index_select(0, idx).view(*shape, -1))
+        self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
+        self.length += self._n
+        self._n = 0
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length

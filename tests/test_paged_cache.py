@@ -1,0 +1,177 @@
+"""Paged cache: streaming vs resident exactness, rollback, host authority, arena accounting, gates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.formats import PAGE_TOKENS, PageFormat
+from kvstream.arena import MIB, Arena, ArenaTooSmall
+from kvstream.cache import ContextOverflow
+from kvstream.cache_factory import make_cache
+from kvstream.config import ArenaConfig, CacheConfig
+from kvstream.generate import prefill
+from kvstream.model import load_model
+from kvstream.paged_cache import PagedCache
+from tiny_gguf import TinySpec, write_tiny_model
+
+SPEC = TinySpec(arch="qwen2", hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, ffn=128, n_layers=2,
+                context_length=4096)
+PROMPT = 1000  # 4 pages: 3 full + 1 partial
+DECODE = 30    # ends at 1029 tokens: page 4 (0-based) opens during decode
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(write_tiny_model(tmp_path_factory.mktemp("paged") / "m.gguf", SPEC))
+
+
+def pair_bytes(type_k="q8_0", type_v="q4_0"):
+    return sum(PageFormat(t, SPEC.n_kv_heads, SPEC.head_dim).page_bytes for t in (type_k, type_v))
+
+
+def run(model, cache, tokens, decode=DECODE, chunk=128):
+    """Prefill in chunks, then single-token decode steps; returns the stacked decode logits."""
+    out = [prefill(model, cache, tokens[:PROMPT], chunk)]
+    with torch.inference_mode():
+        for t in tokens[PROMPT:PROMPT + decode - 1]:
+            out.append(model(torch.tensor([t]), cache)[-1])
+    return torch.stack(out)
+
+
+def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048):
+    return make_cache(CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring),
+                      ArenaConfig(mib="auto" if mib is None else str(mib)), model, max_tokens, 128)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 357, (PROMPT + DECODE,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.fixture(scope="module")
+def resident_logits(model, tokens):
+    return run(model, paged(model, "resident"), tokens)
+
+
+def small_arena_mib(model, pool_pages_per_layer, ring):
+    c = paged(model, "resident")  # only to read the slab size the factory reserves
+    return (c.layout.slab + (SPEC.n_layers * pool_pages_per_layer + ring) * pair_bytes() + 4096) / MIB
+
+
+def test_stream_one_round_is_bit_identical_to_resident(model, tokens, resident_logits):
+    # 2 resident pages per layer, ring 8 (halves of 4): the 2-3 streamed pages fit one round,
+    # so each layer is one attention call over the same bytes as in resident mode
+    cache = paged(model, "stream", mib=small_arena_mib(model, 2, 8), ring=8)
+    assert cache.capacity == 2
+    logits = run(model, cache, tokens)
+    assert cache.stats.streamed_pages == 3 and cache.stats.rounds == 1
+    assert torch.equal(logits, resident_logits)
+
+
+def test_stream_many_rounds_matches_resident(model, tokens, resident_logits):
+    # 2 resident pages, ring of 2 (one page per round): several rounds per layer, merged partials
+    cache = paged(model, "stream", mib=small_arena_mib(model, 2, 2), ring=2)
+    logits = run(model, cache, tokens)
+    assert cache.stats.rounds == 3
+    # only the merge order differs from one pass: fp32 rounding of the softmax sums
+    assert (logits - resident_logits).abs().max() <= 1e-4 * resident_logits.abs().max()
+    assert (logits.argmax(-1) == resident_logits.argmax(-1)).all()
+
+
+def test_f16_pages_match_the_contiguous_cache(model, tokens):
+    ref = run(model, model.new_cache(2048), tokens)
+    got = run(model, paged(model, "resident", types=("f16", "f16")), tokens)
+    # the only difference is K/V rounded to fp16 in the pages (the model runs fp32)
+    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def committed(pool_pages, L, fmt):
+    """Dequantized committed rows [L, H, D] of logical pages given as a [n, page_bytes] tensor."""
+    return reference.gather(pool_pages, torch.arange(pool_pages.shape[0]), L, fmt, torch.float32)
+
+
+def test_host_store_holds_every_committed_row(model, tokens):
+    # streamed run (one round: the same K/V as resident mode) vs the resident run's device pages
+    stream = paged(model, "stream", mib=small_arena_mib(model, 2, 8), ring=8)
+    resident = paged(model, "resident")
+    run(model, stream, tokens, decode=5)
+    run(model, resident, tokens, decode=5)
+    L, n = stream.length, -(-stream.length // PAGE_TOKENS)
+    for layer in range(SPEC.n_layers):
+        table = resident.tables[layer, :n].long()
+        for host, space, fmt in ((stream.host.k, resident.kspace, stream.k_fmt),
+                                 (stream.host.v, resident.vspace, stream.v_fmt)):
+            assert torch.equal(host[layer, :n - 1], space[table[:-1]])  # full pages byte for byte
+            assert torch.equal(committed(host[layer, :n], L, fmt), committed(space[table], L, fmt))
+
+
+def test_rollback_then_decode_equals_a_fresh_run(model, tokens):
+    BACK = 640  # a prefill-chunk boundary (the fresh run computes the same rows in the same batches)
+    cache = paged(model, "stream", mib=small_arena_mib(model, 2, 4), ring=4)
+    prefill(model, cache, tokens[:PROMPT], 128)
+    with torch.inference_mode():
+        for t in tokens[PROMPT:PROMPT + 8]:  # 8 speculative tokens...
+            model(torch.tensor([t]), cache)
+        cache.truncate(BACK)  # ...and a rollback across a page boundary
+        a = model(torch.tensor(tokens[BACK:BACK + 10]), cache, all_logits=True)
+    fresh = paged(model, "stream", mib=small_arena_mib(model, 2, 4), ring=4)
+    prefill(model, fresh, tokens[:BACK], 128)
+    with torch.inference_mode():
+        b = model(torch.tensor(tokens[BACK:BACK + 10]), fresh, all_logits=True)
+    assert torch.equal(a, b)
+
+
+def test_arena_size_changes_what_streams(model, tokens):
+    small = paged(model, "stream", mib=small_arena_mib(model, 2, 8), ring=8)
+    big = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
+    run(model, small, tokens, decode=2)
+    run(model, big, tokens, decode=2)
+    assert (small.capacity, big.capacity) == (2, 4)
+    assert small.stats.streamed_pages == 2 and big.stats.streamed_pages == 0
+    assert small.stats.h2d_bytes == SPEC.n_layers * 2 * pair_bytes() and big.stats.h2d_bytes == 0
+
+
+def test_pinning_shrinks_capacity_and_reset_restores_it_exactly():
+    arena = Arena(8 * MIB, "cpu")
+    pb = (40_000, 20_000)
+    before = arena.lay_out(1 * MIB, 4, *pb, min_pool_pages=2)
+    with pytest.raises(ArenaTooSmall, match="pinning 'draft' needs 3.00 MiB but only"):
+        arena.pin("draft", (3 * MIB,), torch.uint8)  # the layout holds that space
+    for _ in range(1000):  # re-enable / eject cycles leave the accounting exactly as it was
+        arena.release_layout()
+        m = arena.mark()
+        w = arena.pin("draft", (3 * MIB,), torch.uint8)
+        assert w.data_ptr() == arena.buf.data_ptr() + arena.top
+        with_draft = arena.lay_out(1 * MIB, 4, *pb, min_pool_pages=2)
+        arena.release_layout()
+        assert arena.reset(m) == 3 * MIB
+        assert arena.lay_out(1 * MIB, 4, *pb, min_pool_pages=2) == before
+    assert arena.pinned_bytes == 0
+    # the draft's bytes are what the pool loses: 3 MiB / 60,000-byte page pairs
+    assert before.pool_pages - with_draft.pool_pages in (3 * MIB // sum(pb), -(-3 * MIB // sum(pb)))
+    assert with_draft.mib()["pinned"] == pytest.approx(3.0)
+
+
+def test_views_share_the_one_allocation(model):
+    cache = paged(model, "stream", mib=small_arena_mib(model, 2, 8), ring=8)
+    base, end = cache.arena.buf.data_ptr(), cache.arena.buf.data_ptr() + cache.arena.nbytes
+    for t in (cache.kspace, cache.vspace):
+        assert base <= t.data_ptr() and t.data_ptr() + t.numel() <= end
+
+
+def test_gates_name_the_numbers(model):
+    with pytest.raises(ArenaTooSmall, match=r"too small: slab .* need .* MiB; give arena.mib >= \d+"):
+        paged(model, "stream", mib=0.5, ring=8)
+    with pytest.raises(ArenaTooSmall, match=r"cache.mode=resident, 2048 tokens x 2 layers"):
+        paged(model, "resident", mib=small_arena_mib(model, 2, 0))
+    with pytest.raises(ValueError, match="unknown KV type 'q5_0'"):
+        paged(model, "resident", types=("q5_0", "q4_0"))
+    with pytest.raises(ValueError, match="exceeds the model's 4096"):
+        paged(model, "resident", max_tokens=5000)
+    cache = paged(model, "resident", max_tokens=300)
+    with pytest.raises(ContextOverflow, match="301 tokens exceeds the cache's 300"):
+        prefill(model, cache, list(range(301)), 128)
+    with pytest.raises(ValueError, match="ring_pages=1"):
+        paged(model, "stream", ring=1)
