@@ -5,6 +5,7 @@ The model calls, for one forward pass over ``n`` new tokens::
     pos = cache.begin(n)                    # positions [n] of the new tokens (device tensor)
     out = cache.attend(layer, q, k, v)      # per layer: store k/v rows, attend causally
     cache.commit()                          # the n rows become part of the history
+    cache.set_phase("decode")               # after prefill: re-lay memory for decoding
 
 Paged, quantized and streamed caches implement the same three calls, so the model never
 changes between cache modes. ``truncate(length)`` rolls back rejected speculative tokens.
@@ -52,6 +53,9 @@ class ContiguousCache:
             attn_mask=mask, enable_gqa=True,
         )
         return out[0].transpose(0, 1)
+
+    def set_phase(self, phase: str) -> None:
+        """Nothing to re-lay: a contiguous cache has no arena."""
 
     def commit(self) -> None:
         self.length += self._n

@@ -30,12 +30,14 @@ def reserve_slab(model, n_tokens: int) -> int:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     width = 3 * c.hidden + (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.ffn
-    return n_tokens * (width * model.dtype.itemsize + c.vocab_size * 4)
+    return n_tokens * width * model.dtype.itemsize + c.vocab_size * 4  # logits of the last token
 
 
-def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, widest_batch: int):
-    """The cache ``cache.mode`` names for ``max_tokens`` tokens; ``widest_batch`` is the largest
-    forward pass (prefill chunk or verify batch) the phase will run."""
+def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, prefill_chunk: int,
+               verify_width: int = 1):
+    """The cache ``cache.mode`` names for ``max_tokens`` tokens. The phases' compute slabs are
+    reserved for ``prefill_chunk`` tokens (prefill) and ``verify_width`` tokens (decode: 1 +
+    the most draft tokens a verify batch carries)."""
     c = model.cfg
     if cache.mode == "contiguous":
         return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, model.dtype, model.device)
@@ -43,7 +45,8 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, w
         raise ValueError(f"context of {max_tokens} tokens exceeds the model's {c.context_length}")
     if cache.residency not in RESIDENCY:
         raise ValueError(f"cache.residency={cache.residency!r}; choose one of {', '.join(RESIDENCY)}")
-    slab = reserve_slab(model, widest_batch)
+    slabs = {"prefill": reserve_slab(model, prefill_chunk), "decode": reserve_slab(model, verify_width)}
+    slab = max(slabs.values())
     if arena.mib == "auto":  # room for every page of the context: nothing needs to stream
         pair = (PageFormat(cache.type_k, c.n_kv_heads, c.head_dim).page_bytes
                 + PageFormat(cache.type_v, c.n_kv_heads, c.head_dim).page_bytes)
@@ -56,4 +59,4 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, w
             raise ValueError(f"arena.mib={arena.mib!r}: give a number of MiB or auto") from None
     return PagedCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=max_tokens,
                       type_k=cache.type_k, type_v=cache.type_v, mode=cache.mode, arena=Arena(nbytes, model.device),
-                      ring_pages=cache.ring_pages, slab_bytes=slab, residency=RESIDENCY[cache.residency]())
+                      ring_pages=cache.ring_pages, slabs=slabs, residency=RESIDENCY[cache.residency]())

@@ -69,6 +69,7 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     _sync(dev)
     t0 = time.perf_counter()
     logits = prefill(model, cache, prompt, prefill_chunk)
+    cache.set_phase("decode")
     _sync(dev)
     t1 = time.perf_counter()
     out: list[int] = []

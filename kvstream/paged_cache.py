@@ -82,7 +82,7 @@ class _Copier:
 
 class PagedCache:
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
-                 type_v: str, mode: str, arena: Arena, ring_pages: int, slab_bytes: int,
+                 type_v: str, mode: str, arena: Arena, ring_pages: int, slabs: dict[str, int],
                  residency=NewestResident()):
         if mode not in MODES:
             raise ValueError(f"cache.mode={mode!r}; choose one of {', '.join(MODES)}")
@@ -101,7 +101,17 @@ class PagedCache:
         self.length = 0
         self._n = 0
         self.stats = StepStats()
-        self.relayout(slab_bytes)
+        self.slabs = slabs  # phase -> compute slab bytes (from the reserve passes)
+        self.phase = "prefill"
+        self.relayout(slabs["prefill"])
+
+    def set_phase(self, phase: str) -> None:
+        """Switch phase (prefill -> decode): the slab shrinks to the decode peak and the pool
+        takes the bytes back; resident pages are re-laid from the host store."""
+        if phase != self.phase:
+            self.phase = phase
+            self.arena.release_layout()
+            self.relayout(self.slabs[phase])
 
     # ---- layout and residency ------------------------------------------------------------
 
@@ -261,8 +271,9 @@ class PagedCache:
         first, end = self.length // PAGE_TOKENS, -(-(self.length + self._n) // PAGE_TOKENS)
         idx = self.tables[:, first:end].reshape(-1).long()
         shape = (self.n_layers, end - first)
-        self.copier.copy(self.host.k[:, first:end], self.kspace.index_select(0, idx).view(*shape, -1))
-        self.copier.copy(self.host.v[:, first:end], self.vspace.index_select(0, idx).view(*shape, -1))
+        words = torch.int64  # page bytes are multiples of 8; word-wise indexing is ~8x faster on CPU
+        self.copier.copy(self.host.k[:, first:end], self.kspace.view(words).index_select(0, idx).view(torch.uint8).view(*shape, -1))
+        self.copier.copy(self.host.v[:, first:end], self.vspace.view(words).index_select(0, idx).view(torch.uint8).view(*shape, -1))
         self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
         self.length += self._n
         self._n = 0

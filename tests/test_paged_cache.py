@@ -7,9 +7,9 @@ import torch
 
 from kernels import reference
 from kernels.formats import PAGE_TOKENS, PageFormat
-from kvstream.arena import MIB, Arena, ArenaTooSmall
+from kvstream.arena import ALIGN, MIB, Arena, ArenaTooSmall
 from kvstream.cache import ContextOverflow
-from kvstream.cache_factory import make_cache
+from kvstream.cache_factory import make_cache, reserve_slab
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.generate import prefill
 from kvstream.model import load_model
@@ -18,8 +18,9 @@ from tiny_gguf import TinySpec, write_tiny_model
 
 SPEC = TinySpec(arch="qwen2", hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, ffn=128, n_layers=2,
                 context_length=4096)
-PROMPT = 1000  # 4 pages: 3 full + 1 partial
-DECODE = 30    # ends at 1029 tokens: page 4 (0-based) opens during decode
+PROMPT = 2016  # 8 pages, the last partial; whole chunks of 32, all through the prefill path
+DECODE = 30
+CHUNK = 32     # small prefill chunks: a small prefill slab, so small arenas still prefill
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,10 @@ def pair_bytes(type_k="q8_0", type_v="q4_0"):
     return sum(PageFormat(t, SPEC.n_kv_heads, SPEC.head_dim).page_bytes for t in (type_k, type_v))
 
 
-def run(model, cache, tokens, decode=DECODE, chunk=128):
+def run(model, cache, tokens, decode=DECODE, chunk=CHUNK):
     """Prefill in chunks, then single-token decode steps; returns the stacked decode logits."""
     out = [prefill(model, cache, tokens[:PROMPT], chunk)]
+    cache.set_phase("decode")  # re-lays the arena: smaller slab, resident pages re-uploaded
     with torch.inference_mode():
         for t in tokens[PROMPT:PROMPT + decode - 1]:
             out.append(model(torch.tensor([t]), cache)[-1])
@@ -42,7 +44,7 @@ def run(model, cache, tokens, decode=DECODE, chunk=128):
 
 def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048):
     return make_cache(CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring),
-                      ArenaConfig(mib="auto" if mib is None else str(mib)), model, max_tokens, 128)
+                      ArenaConfig(mib="auto" if mib is None else str(mib)), model, max_tokens, CHUNK)
 
 
 @pytest.fixture(scope="module")
@@ -55,26 +57,25 @@ def resident_logits(model, tokens):
     return run(model, paged(model, "resident"), tokens)
 
 
-def small_arena_mib(model, pool_pages_per_layer, ring):
-    c = paged(model, "resident")  # only to read the slab size the factory reserves
-    return (c.layout.slab + (SPEC.n_layers * pool_pages_per_layer + ring) * pair_bytes() + 4096) / MIB
+def small_arena_mib(model, pages_per_layer, ring):
+    """An arena whose decode layout holds exactly ``pages_per_layer`` resident pages per layer."""
+    return (reserve_slab(model, 1) + (SPEC.n_layers * pages_per_layer + ring) * pair_bytes() + 4 * ALIGN) / MIB
 
 
 def test_stream_one_round_is_bit_identical_to_resident(model, tokens, resident_logits):
-    # 2 resident pages per layer, ring 8 (halves of 4): the 2-3 streamed pages fit one round,
+    # 4 resident pages per layer, ring 8 (halves of 4): the 4 streamed pages fit one round,
     # so each layer is one attention call over the same bytes as in resident mode
-    cache = paged(model, "stream", mib=small_arena_mib(model, 2, 8), ring=8)
-    assert cache.capacity == 2
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
     logits = run(model, cache, tokens)
-    assert cache.stats.streamed_pages == 3 and cache.stats.rounds == 1
+    assert cache.capacity == 4 and cache.stats.streamed_pages == 4 and cache.stats.rounds == 1
     assert torch.equal(logits, resident_logits)
 
 
 def test_stream_many_rounds_matches_resident(model, tokens, resident_logits):
-    # 2 resident pages, ring of 2 (one page per round): several rounds per layer, merged partials
-    cache = paged(model, "stream", mib=small_arena_mib(model, 2, 2), ring=2)
+    # 4 resident pages, ring of 2 (one page per round): several rounds per layer, merged partials
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 2), ring=2)
     logits = run(model, cache, tokens)
-    assert cache.stats.rounds == 3
+    assert cache.stats.rounds == 4
     # only the merge order differs from one pass: fp32 rounding of the softmax sums
     assert (logits - resident_logits).abs().max() <= 1e-4 * resident_logits.abs().max()
     assert (logits.argmax(-1) == resident_logits.argmax(-1)).all()
@@ -94,7 +95,7 @@ def committed(pool_pages, L, fmt):
 
 def test_host_store_holds_every_committed_row(model, tokens):
     # streamed run (one round: the same K/V as resident mode) vs the resident run's device pages
-    stream = paged(model, "stream", mib=small_arena_mib(model, 2, 8), ring=8)
+    stream = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
     resident = paged(model, "resident")
     run(model, stream, tokens, decode=5)
     run(model, resident, tokens, decode=5)
@@ -109,28 +110,28 @@ def test_host_store_holds_every_committed_row(model, tokens):
 
 def test_rollback_then_decode_equals_a_fresh_run(model, tokens):
     BACK = 640  # a prefill-chunk boundary (the fresh run computes the same rows in the same batches)
-    cache = paged(model, "stream", mib=small_arena_mib(model, 2, 4), ring=4)
-    prefill(model, cache, tokens[:PROMPT], 128)
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 4), ring=4)
+    prefill(model, cache, tokens[:PROMPT], CHUNK)
     with torch.inference_mode():
         for t in tokens[PROMPT:PROMPT + 8]:  # 8 speculative tokens...
             model(torch.tensor([t]), cache)
         cache.truncate(BACK)  # ...and a rollback across a page boundary
         a = model(torch.tensor(tokens[BACK:BACK + 10]), cache, all_logits=True)
-    fresh = paged(model, "stream", mib=small_arena_mib(model, 2, 4), ring=4)
-    prefill(model, fresh, tokens[:BACK], 128)
+    fresh = paged(model, "stream", mib=small_arena_mib(model, 4, 4), ring=4)
+    prefill(model, fresh, tokens[:BACK], CHUNK)
     with torch.inference_mode():
         b = model(torch.tensor(tokens[BACK:BACK + 10]), fresh, all_logits=True)
     assert torch.equal(a, b)
 
 
 def test_arena_size_changes_what_streams(model, tokens):
-    small = paged(model, "stream", mib=small_arena_mib(model, 2, 8), ring=8)
-    big = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
+    small = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
+    big = paged(model, "stream", mib=small_arena_mib(model, 8, 8), ring=8)
     run(model, small, tokens, decode=2)
     run(model, big, tokens, decode=2)
-    assert (small.capacity, big.capacity) == (2, 4)
-    assert small.stats.streamed_pages == 2 and big.stats.streamed_pages == 0
-    assert small.stats.h2d_bytes == SPEC.n_layers * 2 * pair_bytes() and big.stats.h2d_bytes == 0
+    assert (small.capacity, big.capacity) == (4, 8)
+    assert small.stats.streamed_pages == 4 and big.stats.streamed_pages == 0
+    assert small.stats.h2d_bytes == SPEC.n_layers * 4 * pair_bytes() and big.stats.h2d_bytes == 0
 
 
 def test_pinning_shrinks_capacity_and_reset_restores_it_exactly():
@@ -155,7 +156,7 @@ def test_pinning_shrinks_capacity_and_reset_restores_it_exactly():
 
 
 def test_views_share_the_one_allocation(model):
-    cache = paged(model, "stream", mib=small_arena_mib(model, 2, 8), ring=8)
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
     base, end = cache.arena.buf.data_ptr(), cache.arena.buf.data_ptr() + cache.arena.nbytes
     for t in (cache.kspace, cache.vspace):
         assert base <= t.data_ptr() and t.data_ptr() + t.numel() <= end
@@ -165,13 +166,13 @@ def test_gates_name_the_numbers(model):
     with pytest.raises(ArenaTooSmall, match=r"too small: slab .* need .* MiB; give arena.mib >= \d+"):
         paged(model, "stream", mib=0.5, ring=8)
     with pytest.raises(ArenaTooSmall, match=r"cache.mode=resident, 2048 tokens x 2 layers"):
-        paged(model, "resident", mib=small_arena_mib(model, 2, 0))
+        paged(model, "resident", mib=small_arena_mib(model, 4, 0))
     with pytest.raises(ValueError, match="unknown KV type 'q5_0'"):
         paged(model, "resident", types=("q5_0", "q4_0"))
     with pytest.raises(ValueError, match="exceeds the model's 4096"):
         paged(model, "resident", max_tokens=5000)
     cache = paged(model, "resident", max_tokens=300)
     with pytest.raises(ContextOverflow, match="301 tokens exceeds the cache's 300"):
-        prefill(model, cache, list(range(301)), 128)
+        prefill(model, cache, list(range(301)), CHUNK)
     with pytest.raises(ValueError, match="ring_pages=1"):
         paged(model, "stream", ring=1)

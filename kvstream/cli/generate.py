@@ -11,6 +11,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from ..cache_factory import make_cache
 from ..config import GenerateConfig, quote_free_text, to_typed
 from ..generate import generate
 from ..loader import open_gguf
@@ -29,7 +30,7 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> None:
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": text}]
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
     prompt = tok.encode(text)
-    cache = model.new_cache(len(prompt) + cfg.max_new_tokens)
+    cache = make_cache(cfg.cache, cfg.arena, model, len(prompt) + cfg.max_new_tokens, cfg.prefill_chunk)
     stream = StreamDecoder(tok)
     stop = () if cfg.ignore_eos else tok.eog_ids
 

@@ -1,0 +1,109 @@
+"""``kvstream-ppl``: perplexity of a text, and KL divergence against a saved base run.
+
+    kvstream-ppl model=qwen2.5-coder-0.5b ctx=512 n_chunks=20 save_logits=base.lp
+    kvstream-ppl model=qwen2.5-coder-0.5b hardware.dtype=bfloat16 compare_logits=base.lp out_json=ppl.jsonl
+
+The computation and the log-prob file format are described in :mod:`kvstream.perplexity`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from ..config import Hardware, ModelSource, to_typed
+from ..loader import open_gguf, read_config
+from ..model import load_model
+from ..perplexity import (LOGITS_FORMATS, STDLIB_MODULES, LogprobFile, check_run, perplexity, split_chunks,
+                          stdlib_text)
+from ..registry import resolve_model
+from ..tokenizer import Tokenizer
+
+
+@dataclass
+class PplConfig:
+    model: ModelSource = field(default_factory=ModelSource)
+    hardware: Hardware = field(default_factory=Hardware)
+    ctx: int = 512                    # tokens per chunk; the second half is scored
+    batch: int = 512                  # tokens per forward pass within a chunk
+    n_chunks: int | None = None       # None: all whole chunks (compare: the base's count)
+    text_file: str | None = None      # None: the built-in standard-library text
+    save_logits: str | None = None
+    compare_logits: str | None = None
+    logits_format: str = "uint16"     # how save_logits stores log-probs: uint16 | float32
+    out_json: str | None = None       # append the summary as one JSON line
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.ctx < 3:
+            raise ValueError(f"ctx must be >= 3 (ctx/2 context tokens and at least one scored token), got {self.ctx}")
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.n_chunks is not None and self.n_chunks < 1:
+            raise ValueError(f"n_chunks must be >= 1 or null (all), got {self.n_chunks}")
+        if self.logits_format not in LOGITS_FORMATS:
+            raise ValueError(f"logits_format={self.logits_format!r}; choose one of {', '.join(LOGITS_FORMATS)}")
+        if self.save_logits is not None and self.compare_logits is not None:
+            raise ValueError("save_logits and compare_logits are exclusive: save a base in one run, compare in another")
+
+
+def run(cfg: PplConfig, out=sys.stdout) -> dict:
+    """Run the command; print the summary block to ``out`` and return it as a dict."""
+    if cfg.text_file is not None:
+        if not Path(cfg.text_file).is_file():
+            raise FileNotFoundError(f"text_file={cfg.text_file}: no such file")
+        text, source = Path(cfg.text_file).read_text(encoding="utf-8"), cfg.text_file
+    else:
+        text, source = stdlib_text(), f"stdlib:{','.join(STDLIB_MODULES)} (Python {platform.python_version()})"
+    path = resolve_model(cfg.model.source)
+    reader = open_gguf(path)
+    tok = Tokenizer.from_gguf(reader)
+    tokens = tok.encode(text)
+    n_chunks = cfg.n_chunks
+    if n_chunks is None and cfg.compare_logits is not None:
+        n_chunks = LogprobFile(cfg.compare_logits).n_chunks
+    chunks = split_chunks(tokens, cfg.ctx, n_chunks, tok.bos_id if tok.add_bos else None)
+    check_run(chunks, read_config(reader), batch=cfg.batch, logits_format=cfg.logits_format,
+              save_logits=cfg.save_logits, compare_logits=cfg.compare_logits)  # before loading the weights
+    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device)
+    meta = {"text": source, "model": str(cfg.model.source), "hardware": dataclasses.asdict(cfg.hardware)}
+    # the KV cache is the model's contiguous one; a cache knob will pass its own make_cache here
+    result = perplexity(model, chunks, batch=cfg.batch, make_cache=model.new_cache, save_logits=cfg.save_logits,
+                        compare_logits=cfg.compare_logits, logits_format=cfg.logits_format, meta=meta,
+                        progress=cfg.progress)
+    c = model.cfg
+    print(f"model       {path} ({c.arch}, {c.n_layers} layers, vocab {c.vocab_size}) | "
+          f"{cfg.hardware.device} {cfg.hardware.dtype}", file=out)
+    print(f"text        {source}: {len(text):,} chars, {len(tokens):,} tokens", file=out)
+    print(result.summary(), file=out)
+    if cfg.save_logits is not None:
+        print(f"saved       {cfg.save_logits} ({cfg.logits_format} log-probs)", file=out)
+    row = {**result.stats, "text": source, "text_tokens": len(tokens), "model_path": str(path),
+           "config": dataclasses.asdict(cfg), "torch": torch.__version__, "python": platform.python_version(),
+           "device_name": torch.cuda.get_device_name(cfg.hardware.device)
+           if torch.device(cfg.hardware.device).type == "cuda" else platform.processor() or platform.machine()}
+    if cfg.out_json is not None:
+        with open(cfg.out_json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+@hydra.main(version_base=None, config_path="pkg://conf", config_name="ppl")
+def _main(cfg: DictConfig) -> None:
+    run(to_typed(cfg, PplConfig))
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()
