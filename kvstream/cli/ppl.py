@@ -2,6 +2,7 @@
 
     kvstream-ppl model=qwen2.5-coder-0.5b ctx=512 n_chunks=20 save_logits=base.lp
     kvstream-ppl model=qwen2.5-coder-0.5b hardware.dtype=bfloat16 compare_logits=base.lp out_json=ppl.jsonl
+    kvstream-ppl cache=stream arena.mib=64 compare_logits=base.lp   # quantized, streamed KV vs the base
 
 The computation and the log-prob file format are described in :mod:`kvstream.perplexity`.
 """
@@ -19,7 +20,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from ..config import Hardware, ModelSource, to_typed
+from ..cache_factory import make_cache
+from ..config import ArenaConfig, CacheConfig, Hardware, ModelSource, to_typed
 from ..loader import open_gguf, read_config
 from ..model import load_model
 from ..perplexity import (LOGITS_FORMATS, STDLIB_MODULES, LogprobFile, check_run, perplexity, split_chunks,
@@ -32,6 +34,8 @@ from ..tokenizer import Tokenizer
 class PplConfig:
     model: ModelSource = field(default_factory=ModelSource)
     hardware: Hardware = field(default_factory=Hardware)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    arena: ArenaConfig = field(default_factory=ArenaConfig)
     ctx: int = 512                    # tokens per chunk; the second half is scored
     batch: int = 512                  # tokens per forward pass within a chunk
     n_chunks: int | None = None       # None: all whole chunks (compare: the base's count)
@@ -75,8 +79,8 @@ def run(cfg: PplConfig, out=sys.stdout) -> dict:
               save_logits=cfg.save_logits, compare_logits=cfg.compare_logits)  # before loading the weights
     model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device)
     meta = {"text": source, "model": str(cfg.model.source), "hardware": dataclasses.asdict(cfg.hardware)}
-    # the KV cache is the model's contiguous one; a cache knob will pass its own make_cache here
-    result = perplexity(model, chunks, batch=cfg.batch, make_cache=model.new_cache, save_logits=cfg.save_logits,
+    new_cache = lambda n: make_cache(cfg.cache, cfg.arena, model, n, cfg.batch)  # one per chunk
+    result = perplexity(model, chunks, batch=cfg.batch, make_cache=new_cache, save_logits=cfg.save_logits,
                         compare_logits=cfg.compare_logits, logits_format=cfg.logits_format, meta=meta,
                         progress=cfg.progress)
     c = model.cfg

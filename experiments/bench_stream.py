@@ -1,0 +1,134 @@
+"""Streaming decode on the GPU: tok/s vs context for several arena sizes, resident vs stream.
+
+    python experiments/bench_stream.py --out results/stream [--contexts 4096 16384 32768]
+
+Random weights with the real Qwen2.5-Coder-1.5B shapes (timing does not depend on the values),
+bf16, q8_0 K / q4_0 V pages, eager decode (no CUDA graphs yet). For each context: resident
+mode (the whole context in the arena), then stream mode with arenas holding a fraction of the
+pages. Reported per run: decode tok/s, pages streamed per layer, host->device bytes per step
+and their rate against the pinned-copy ceiling measured in the same run, the step time against
+max(compute-only = resident step, transfer-only = bytes / ceiling), and device memory in use
+against weights + arena.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kvstream.arena import MIB
+from kvstream.cache_factory import make_cache, reserve_slab
+from kvstream.config import ArenaConfig, CacheConfig
+from kvstream.loader import ModelConfig, expected_tensors
+from kvstream.model import Qwen
+
+QWEN15 = ModelConfig(arch="qwen2", n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, ffn=8960,
+                     vocab_size=151936, rope_base=1e6, rms_eps=1e-6, context_length=131072, tied_output=True)
+
+
+def random_model(cfg: ModelConfig, device, dtype) -> Qwen:
+    g = torch.Generator(device=device).manual_seed(0)
+    w = {name: torch.randn(shape, generator=g, device=device, dtype=dtype) / (shape[-1] ** 0.5 if len(shape) > 1 else 1)
+         for name, shape in expected_tensors(cfg).items()}
+    return Qwen(cfg, w)
+
+
+def pinned_ceiling(device) -> float:
+    """GB/s of one 1 GiB pinned host -> device copy (median of 5)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device=device)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return src.numel() / statistics.median(times[1:]) / 1e9
+
+
+def decode_run(model, cache, context: int, steps: int) -> dict:
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        prompt = torch.randint(0, model.cfg.vocab_size, (context,), device=model.device)
+        for lo in range(0, context, 1024):
+            model(prompt[lo:lo + 1024], cache)
+        cache.set_phase("decode")
+        tok = torch.tensor([1], device=model.device)
+        times = []
+        for i in range(steps + 3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            tok = model(tok, cache)[-1].argmax().reshape(1)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    st = cache.stats
+    step = statistics.median(times[3:])
+    return dict(step_ms=step * 1e3, tok_s=1 / step, streamed_pages=st.streamed_pages, resident_pages=st.resident_pages,
+                rounds=st.rounds, h2d_bytes=st.h2d_bytes, mem_allocated_mib=torch.cuda.memory_allocated() / MIB,
+                mem_peak_mib=torch.cuda.max_memory_allocated() / MIB)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--ring", type=int, default=16)
+    ap.add_argument("--out", default="results/stream")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    ceiling = pinned_ceiling(dev)
+    model = random_model(QWEN15, dev, torch.bfloat16)
+    weights_mib = torch.cuda.memory_allocated() / MIB
+    slab = reserve_slab(model, 1024)
+    rows = []
+    for ctx in args.contexts:
+        max_tokens = ctx + args.steps + 8
+        arms = [("resident", None)] + [("stream", f) for f in args.fractions]
+        base_step = None
+        for mode, frac in arms:
+            cc = CacheConfig(mode=mode, type_k="q8_0", type_v="q4_0", ring_pages=args.ring if mode == "stream" else 0)
+            if frac is None:
+                mib = "auto"
+            else:  # prefill slab + ring + frac of every layer's pages (decode frees the slab's excess)
+                pair = 69632 + 36864
+                pages = QWEN15.n_layers * int(frac * -(-max_tokens // 256))
+                mib = str((slab + (pages + args.ring) * pair) / MIB + 1)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            cache = make_cache(cc, ArenaConfig(mib=mib), model, max_tokens, 1024)
+            r = decode_run(model, cache, ctx, args.steps)
+            arena_mib = cache.arena.nbytes / MIB
+            if mode == "resident":
+                base_step = r["step_ms"]
+            transfer_ms = r["h2d_bytes"] / ceiling / 1e6
+            r.update(context=ctx, mode=mode, fraction=frac, arena_mib=arena_mib, capacity=cache.capacity,
+                     weights_mib=weights_mib, h2d_gbps=r["h2d_bytes"] / r["step_ms"] / 1e6,
+                     frac_of_pinned_ceiling=r["h2d_bytes"] / r["step_ms"] / 1e6 / ceiling,
+                     overlap_ratio=r["step_ms"] / max(base_step, transfer_ms), pinned_ceiling_gbps=ceiling,
+                     bound_mib=weights_mib + arena_mib)
+            rows.append(r)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+            del cache
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    df = pd.DataFrame(rows).assign(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                   commit=commit or "unknown", command=" ".join(["python"] + sys.argv))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "stream_decode.csv", index=False)
+    cols = ["context", "mode", "fraction", "arena_mib", "capacity", "streamed_pages", "tok_s", "h2d_gbps",
+            "frac_of_pinned_ceiling", "overlap_ratio", "mem_allocated_mib", "mem_peak_mib", "bound_mib"]
+    print(df[cols].round(3).to_string(index=False))
+    print(f"pinned ceiling {ceiling:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
