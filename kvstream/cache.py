@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .telemetry import StepStats
+
 
 class ContextOverflow(ValueError):
     """More tokens than the cache was sized for."""
@@ -32,11 +34,14 @@ class ContiguousCache:
         self.max_tokens = max_tokens
         self.length = 0
         self._n = 0
+        self.stats = StepStats()
 
     def begin(self, n: int) -> torch.Tensor:
         if self.length + n > self.max_tokens:
             raise ContextOverflow(f"context of {self.length + n} tokens exceeds the cache's {self.max_tokens}")
         self._n = n
+        pages = -(-(self.length + n) // 256)
+        self.stats = StepStats(resident_pages=pages, rounds=1)
         return torch.arange(self.length, self.length + n, device=self.k.device)
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:

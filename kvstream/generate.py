@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling import Sampler
+from .telemetry import StepRecord
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Generation:
     stats: GenerationStats
     stopped_on: int | None = None  # the end-of-generation token that stopped it, if any
     logits: list[torch.Tensor] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)  # one per decode step
 
 
 def _sync(device: torch.device) -> None:
@@ -74,6 +76,7 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     t1 = time.perf_counter()
     out: list[int] = []
     kept: list[torch.Tensor] = []
+    records: list[StepRecord] = []
     stopped = None
     for _ in range(max_new_tokens):
         if keep_logits:
@@ -87,7 +90,9 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
             break
         if len(out) == max_new_tokens:
             break
+        ts = time.perf_counter()
         logits = model(torch.tensor([tok], device=dev), cache)[-1]
+        records.append(StepRecord.of(len(records), cache, 1, time.perf_counter() - ts))  # host time: no sync
     _sync(dev)
     t2 = time.perf_counter()
-    return Generation(out, GenerationStats(len(prompt), len(out), t1 - t0, t2 - t1), stopped, kept)
+    return Generation(out, GenerationStats(len(prompt), len(out), t1 - t0, t2 - t1), stopped, kept, records)

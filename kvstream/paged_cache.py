@@ -18,8 +18,6 @@ not change between modes. Per forward pass of n new tokens at positions [L, L + 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
@@ -31,20 +29,9 @@ from .arena import Arena, ArenaTooSmall, Layout
 from .cache import ContextOverflow
 from .host_store import HostStore
 from .kv_ops import KVOps
+from .telemetry import StepStats
 
 MODES = ("resident", "stream")
-
-
-@dataclass
-class StepStats:
-    """What the last forward pass moved (telemetry)."""
-
-    streamed_pages: int = 0  # per layer
-    resident_pages: int = 0  # per layer
-    rounds: int = 0  # per layer
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-    uploads: list[int] = field(default_factory=list)  # logical pages re-uploaded this step
 
 
 class _Copier:
@@ -83,7 +70,7 @@ class _Copier:
 class PagedCache:
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
                  type_v: str, mode: str, arena: Arena, ring_pages: int, slabs: dict[str, int],
-                 residency=NewestResident()):
+                 verify_width: int = 1, residency=NewestResident()):
         if mode not in MODES:
             raise ValueError(f"cache.mode={mode!r}; choose one of {', '.join(MODES)}")
         if mode == "stream" and ring_pages < 2:
@@ -102,6 +89,7 @@ class PagedCache:
         self._n = 0
         self.stats = StepStats()
         self.slabs = slabs  # phase -> compute slab bytes (from the reserve passes)
+        self.verify_width = verify_width  # the widest decode batch the decode slab was reserved for
         self.phase = "prefill"
         self.relayout(slabs["prefill"])
 
@@ -194,6 +182,9 @@ class PagedCache:
         if self.length + n > self.max_tokens:
             raise ContextOverflow(f"context of {self.length + n} tokens exceeds the cache's {self.max_tokens} "
                                   f"(host store sized for {self.max_pages} pages per layer)")
+        if self.phase == "decode" and n > self.verify_width:
+            raise ValueError(f"a decode batch of {n} tokens is wider than the reserved verify width "
+                             f"{self.verify_width} (1 + the most draft tokens); reserve more at cache creation")
         self.stats = StepStats()
         first, n_pages = self.length // PAGE_TOKENS, -(-(self.length + n) // PAGE_TOKENS)
         if n_pages - first > self.capacity:

@@ -38,7 +38,7 @@ def run(model, cache, tokens, decode=DECODE, chunk=CHUNK):
     cache.set_phase("decode")  # re-lays the arena: smaller slab, resident pages re-uploaded
     with torch.inference_mode():
         for t in tokens[PROMPT:PROMPT + decode - 1]:
-            out.append(model(torch.tensor([t]), cache)[-1])
+            out.append(model(torch.tensor([t], device=model.device), cache)[-1])
     return torch.stack(out)
 
 
@@ -176,3 +176,24 @@ def test_gates_name_the_numbers(model):
         prefill(model, cache, list(range(301)), CHUNK)
     with pytest.raises(ValueError, match="ring_pages=1"):
         paged(model, "stream", ring=1)
+
+
+def test_decode_batch_wider_than_the_verify_width_is_refused(model, tokens):
+    cache = paged(model, "resident")  # reserved for verify batches of 1
+    prefill(model, cache, tokens[:300], CHUNK)
+    cache.set_phase("decode")
+    with pytest.raises(ValueError, match="decode batch of 5 tokens is wider than the reserved verify width 1"):
+        with torch.inference_mode():
+            model(torch.tensor(tokens[300:305]), cache)
+
+
+def test_generate_records_one_telemetry_row_per_decode_step(model, tokens):
+    from kvstream.generate import generate
+    from kvstream.sampling import Sampler, SamplingParams
+
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
+    g = generate(model, cache, tokens[:PROMPT], 6, Sampler(SamplingParams()), prefill_chunk=CHUNK)
+    assert [r.step for r in g.records] == list(range(5))
+    last = g.records[-1]
+    assert (last.context, last.pages_per_layer, last.new_tokens) == (PROMPT + 5, 8, 1)
+    assert (last.resident_pages, last.streamed_pages) == (4, 4) and last.h2d_bytes == 4 * 2 * pair_bytes()

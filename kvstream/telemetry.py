@@ -1,0 +1,42 @@
+"""Per-step telemetry: what one forward pass moved and how long it took."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepStats:
+    """What a cache did in the last forward pass (filled by the cache)."""
+
+    streamed_pages: int = 0  # per layer
+    resident_pages: int = 0  # per layer
+    rounds: int = 0          # ring rounds per layer
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    uploads: list[int] = field(default_factory=list)  # logical pages re-uploaded this step
+
+
+@dataclass
+class StepRecord:
+    """One decode step, as DESIGN.md's telemetry lists it (speculation fields come with drafts)."""
+
+    step: int
+    context: int          # tokens in the cache after the step
+    pages_per_layer: int
+    resident_pages: int
+    streamed_pages: int
+    rounds: int
+    h2d_bytes: int
+    d2h_bytes: int
+    new_tokens: int       # tokens this step added (1 + accepted draft tokens)
+    step_s: float
+
+    @classmethod
+    def of(cls, step: int, cache, new_tokens: int, step_s: float) -> "StepRecord":
+        s = cache.stats
+        return cls(step, cache.length, -(-cache.length // 256), s.resident_pages, s.streamed_pages, s.rounds,
+                   s.h2d_bytes, s.d2h_bytes, new_tokens, step_s)
+
+    def row(self) -> dict:
+        return asdict(self)
