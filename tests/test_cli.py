@@ -35,12 +35,17 @@ def cfg_for(*overrides: str) -> GenerateConfig:
         return to_typed(compose("generate", overrides=overrides), GenerateConfig)
 
 
-@pytest.mark.parametrize("model", sorted(p.stem for p in (CONF / "model").glob("*.yaml")))
-@pytest.mark.parametrize("hardware", sorted(p.stem for p in (CONF / "hardware").glob("*.yaml")))
-def test_every_config_composes(model, hardware):
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model", options("model"))
+@pytest.mark.parametrize("hardware", options("hardware"))
+@pytest.mark.parametrize("cache", options("cache"))
+def test_every_config_composes(model, hardware, cache):
     with initialize_config_module("conf", version_base=None):
-        cfg = compose("generate", overrides=[f"model={model}", f"hardware={hardware}"])
-    assert cfg.model.source and cfg.hardware.device in ("cpu", "cuda")
+        cfg = compose("generate", overrides=[f"model={model}", f"hardware={hardware}", f"cache={cache}"])
+    assert cfg.model.source and cfg.hardware.device in ("cpu", "cuda") and cfg.cache.mode == cache
     if cfg.hardware.device == "cpu":
         to_typed(cfg, GenerateConfig)
 
@@ -59,6 +64,19 @@ def test_free_text_overrides_are_quoted():
     quote_free_text(argv, ("prompt", "system"))
     assert argv[1] == "prompt='def f(a): return \\'b\\'\\\\n'"
     assert argv[2:] == ["system='already quoted'", "max_new_tokens=3"]
+
+
+@pytest.mark.parametrize("cache", ["resident", "stream"])
+def test_paged_caches_generate_like_the_contiguous_one(tmp_path, cache):
+    from test_paged_cache import SPEC
+    path = write_tiny_model(tmp_path / "m.gguf", SPEC)  # head_dim 64, as the paged kernels need
+    outs = []
+    for c in ("contiguous", cache):
+        out = io.StringIO()
+        run(cfg_for(f"model.source={path}", f"cache={c}", "cache.type_k=f16", "cache.type_v=f16",
+                    "prompt=def add(a, b):", "max_new_tokens=8", "ignore_eos=true"), out)
+        outs.append(out.getvalue().splitlines()[0])
+    assert outs[0] == outs[1]  # fp16 pages vs the fp32 dense cache: same greedy tokens here
 
 
 def test_run_prints_the_greedy_continuation_and_stats(tiny):
