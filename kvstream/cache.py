@@ -23,7 +23,26 @@ class ContextOverflow(ValueError):
     """More tokens than the cache was sized for."""
 
 
-class ContiguousCache:
+class CacheBase:
+    """What every cache shares: the committed length, the pending batch, rollback."""
+
+    length: int = 0
+    _n: int = 0  # tokens of the forward pass in progress
+
+    def set_phase(self, phase: str) -> None:
+        """Re-lay memory for a phase ("prefill", "decode"); nothing to do without an arena."""
+
+    def commit(self) -> None:
+        self.length += self._n
+        self._n = 0
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
+
+class ContiguousCache(CacheBase):
     """All layers' K/V in one dense tensor per K and V, attention with torch SDPA."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
@@ -59,14 +78,3 @@ class ContiguousCache:
         )
         return out[0].transpose(0, 1)
 
-    def set_phase(self, phase: str) -> None:
-        """Nothing to re-lay: a contiguous cache has no arena."""
-
-    def commit(self) -> None:
-        self.length += self._n
-        self._n = 0
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        self.length = length

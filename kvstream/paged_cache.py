@@ -26,7 +26,7 @@ from kernels.formats import PAGE_TOKENS, PageFormat
 from policies.residency import NewestResident
 
 from .arena import Arena, ArenaTooSmall, Layout
-from .cache import ContextOverflow
+from .cache import CacheBase, ContextOverflow
 from .host_store import HostStore
 from .kv_ops import KVOps
 from .telemetry import StepStats
@@ -67,7 +67,7 @@ class _Copier:
             self.free[half].record(torch.cuda.current_stream())
 
 
-class PagedCache:
+class PagedCache(CacheBase):
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
                  type_v: str, mode: str, arena: Arena, ring_pages: int, slabs: dict[str, int],
                  verify_width: int = 1, residency=NewestResident()):
@@ -262,14 +262,9 @@ class PagedCache:
         first, end = self.length // PAGE_TOKENS, -(-(self.length + self._n) // PAGE_TOKENS)
         idx = self.tables[:, first:end].reshape(-1).long()
         shape = (self.n_layers, end - first)
-        words = torch.int64  # page bytes are multiples of 8; word-wise indexing is ~8x faster on CPU
-        self.copier.copy(self.host.k[:, first:end], self.kspace.view(words).index_select(0, idx).view(torch.uint8).view(*shape, -1))
-        self.copier.copy(self.host.v[:, first:end], self.vspace.view(words).index_select(0, idx).view(torch.uint8).view(*shape, -1))
+        for host, space in ((self.host.k, self.kspace), (self.host.v, self.vspace)):
+            # page bytes are multiples of 8: word-wise indexing is ~8x faster on CPU than bytes
+            pages = space.view(torch.int64).index_select(0, idx).view(torch.uint8)
+            self.copier.copy(host[:, first:end], pages.view(*shape, -1))
         self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
-        self.length += self._n
-        self._n = 0
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        self.length = length
+        super().commit()
