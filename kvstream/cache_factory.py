@@ -45,12 +45,14 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
         raise ValueError(f"context of {max_tokens} tokens exceeds the model's {c.context_length}")
     if cache.residency not in RESIDENCY:
         raise ValueError(f"cache.residency={cache.residency!r}; choose one of {', '.join(RESIDENCY)}")
+    ring = None if str(cache.ring_pages) == "auto" else int(cache.ring_pages)
     slabs = {"prefill": reserve_slab(model, prefill_chunk), "decode": reserve_slab(model, verify_width)}
     slab = max(slabs.values())
     if arena.mib == "auto":  # room for every page of the context: nothing needs to stream
         pair = (PageFormat(cache.type_k, c.n_kv_heads, c.head_dim).page_bytes
                 + PageFormat(cache.type_v, c.n_kv_heads, c.head_dim).page_bytes)
-        pages = c.n_layers * -(-max_tokens // PAGE_TOKENS) + (cache.ring_pages if cache.mode == "stream" else 0)
+        ring_pages = (ring or 2) if cache.mode == "stream" else 0
+        pages = c.n_layers * -(-max_tokens // PAGE_TOKENS) + ring_pages
         nbytes = slab + pages * pair + 4 * ALIGN
     else:
         try:
@@ -59,4 +61,4 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
             raise ValueError(f"arena.mib={arena.mib!r}: give a number of MiB or auto") from None
     return PagedCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=max_tokens,
                       type_k=cache.type_k, type_v=cache.type_v, mode=cache.mode, arena=Arena(nbytes, model.device),
-                      ring_pages=cache.ring_pages, slabs=slabs, verify_width=verify_width, residency=RESIDENCY[cache.residency]())
+                      ring_pages=ring, slabs=slabs, verify_width=verify_width, residency=RESIDENCY[cache.residency]())

@@ -41,7 +41,7 @@ class CacheConfig:
     mode: str = "contiguous"   # contiguous (dense, model dtype) | resident (paged, all on device) | stream
     type_k: str = "q8_0"       # f16 | q8_0 | q4_0
     type_v: str = "q4_0"
-    ring_pages: int = 8        # stream mode: ring slots (K/V page pairs), two halves
+    ring_pages: str = "auto"   # stream mode: ring slots (K/V page pairs, two halves); auto: one round per layer
     residency: str = "newest"  # newest | sink_newest (policies/residency.py)
 
 

@@ -25,7 +25,7 @@ from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS, PageFormat
 from policies.residency import NewestResident
 
-from .arena import Arena, ArenaTooSmall, Layout
+from .arena import ALIGN, Arena, ArenaTooSmall, Layout
 from .cache import CacheBase, ContextOverflow
 from .host_store import HostStore
 from .kv_ops import KVOps
@@ -69,11 +69,11 @@ class _Copier:
 
 class PagedCache(CacheBase):
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
-                 type_v: str, mode: str, arena: Arena, ring_pages: int, slabs: dict[str, int],
+                 type_v: str, mode: str, arena: Arena, ring_pages: int | None, slabs: dict[str, int],
                  verify_width: int = 1, residency=NewestResident()):
         if mode not in MODES:
             raise ValueError(f"cache.mode={mode!r}; choose one of {', '.join(MODES)}")
-        if mode == "stream" and ring_pages < 2:
+        if mode == "stream" and ring_pages is not None and ring_pages < 2:
             raise ValueError(f"cache.ring_pages={ring_pages}: streaming needs >= 2 ring slots (two halves)")
         self.k_fmt = PageFormat(type_k, n_kv_heads, head_dim)
         self.v_fmt = PageFormat(type_v, n_kv_heads, head_dim)
@@ -84,7 +84,7 @@ class PagedCache(CacheBase):
         self.host = HostStore(n_layers, self.max_pages, self.k_fmt, self.v_fmt, pin=self.device.type == "cuda")
         self.ops = KVOps(self.device)
         self.copier = _Copier(self.device)
-        self.ring_pages = ring_pages if mode == "stream" else 0
+        self.ring_request = ring_pages if mode == "stream" else 0  # None: sized at each layout
         self.length = 0
         self._n = 0
         self.stats = StepStats()
@@ -107,6 +107,7 @@ class PagedCache(CacheBase):
         """(Re)build the arena layout: at a phase switch, or when the pinned region changed."""
         # resident mode holds every page; streaming needs the pages one verify batch can write
         min_pages = self.max_pages if self.mode == "resident" else min(self.max_pages, 2)
+        self.ring_pages = self.ring_request if self.ring_request is not None else self._auto_ring(slab_bytes)
         try:
             self.layout = self.arena.lay_out(slab_bytes, self.ring_pages, self.k_fmt.page_bytes,
                                              self.v_fmt.page_bytes, self.n_layers * min_pages)
@@ -122,6 +123,19 @@ class PagedCache(CacheBase):
         self._n_pages = 0
         self._plan(-(-self.length // PAGE_TOKENS), upload_below=-(-self.length // PAGE_TOKENS))
         return self.layout
+
+    def _auto_ring(self, slab_bytes: int) -> int:
+        """The smallest ring whose halves each hold every page a layer streams at full context,
+        given the most resident pages per layer that then fit: one copy and one attention call
+        per layer. The ring is shared by all layers, so it costs ring / n_layers resident pages
+        per layer, while every extra round costs launches and a merge."""
+        pair = self.k_fmt.page_bytes + self.v_fmt.page_bytes
+        total = (self.arena.top - slab_bytes - 3 * ALIGN) // pair  # page pairs that fit at most
+        P, L = self.max_pages, self.n_layers
+        for c in range(P, 1, -1):  # most resident pages first
+            if L * c + 2 * max(1, P - c) <= total:
+                return 2 * max(1, P - c)
+        return 2  # too small for even 2 resident pages: lay_out reports the numbers
 
     def capacity_with(self, extra_pinned_bytes: int) -> int:
         """Pages per layer the pool would hold with ``extra_pinned_bytes`` more (or fewer) pinned."""

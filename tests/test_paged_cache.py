@@ -71,6 +71,16 @@ def test_stream_one_round_is_bit_identical_to_resident(model, tokens, resident_l
     assert torch.equal(logits, resident_logits)
 
 
+def test_auto_ring_streams_each_layer_in_one_round(model, tokens, resident_logits):
+    # an arena for ~4 resident pages per layer plus 8 ring slots: auto sizes the ring so that a
+    # half holds every page a layer streams at full context (2048 tokens = 8 pages)
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring="auto")
+    logits = run(model, cache, tokens)
+    assert cache.ring_pages == 2 * (cache.max_pages - cache.capacity) or cache.capacity == cache.max_pages
+    assert cache.stats.streamed_pages > 0 and cache.stats.rounds == 1
+    assert torch.equal(logits, resident_logits)
+
+
 def test_stream_many_rounds_matches_resident(model, tokens, resident_logits):
     # 4 resident pages, ring of 2 (one page per round): several rounds per layer, merged partials
     cache = paged(model, "stream", mib=small_arena_mib(model, 4, 2), ring=2)

@@ -218,6 +218,8 @@ def test_quantized_and_streamed_caches_against_the_contiguous_base(tmp_path):
     mib = (reserve_slab(model, 100) + (SPEC.n_layers * 2 + 8) * pair_bytes() + 4096) / 2**20
     from kvstream.cache_factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
-    assert make_cache(CacheConfig(mode="stream"), ArenaConfig(mib=str(mib)), model, 600, 100).capacity == 2
-    stream = run(cfg_for(*common, "cache=stream", f"arena.mib={mib}", f"compare_logits={res}"), io.StringIO())
+    ring8 = CacheConfig(mode="stream", ring_pages="8")
+    assert make_cache(ring8, ArenaConfig(mib=str(mib)), model, 600, 100).capacity == 2
+    stream = run(cfg_for(*common, "cache=stream", "cache.ring_pages=8", f"arena.mib={mib}", f"compare_logits={res}"),
+                 io.StringIO())
     assert stream["kld"]["kld_mean"] == 0.0 and stream["kld"]["same_top1"] == 1.0
