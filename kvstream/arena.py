@@ -159,6 +159,3 @@ class Arena:
         n = layout.ring_pages + layout.pool_pages
         return (self.view(layout.k_offset, (n, layout.k_page), torch.uint8),
                 self.view(layout.v_offset, (n, layout.v_page), torch.uint8))
-
-    def slab(self, layout: Layout) -> torch.Tensor:
-        return self.view(0, (layout.slab,), torch.uint8)

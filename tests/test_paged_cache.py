@@ -42,8 +42,8 @@ def run(model, cache, tokens, decode=DECODE, chunk=CHUNK):
     return torch.stack(out)
 
 
-def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048):
-    return make_cache(CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring),
+def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048, residency="newest"):
+    return make_cache(CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring, residency=residency),
                       ArenaConfig(mib="auto" if mib is None else str(mib)), model, max_tokens, CHUNK)
 
 
@@ -78,6 +78,14 @@ def test_auto_ring_streams_each_layer_in_one_round(model, tokens, resident_logit
     logits = run(model, cache, tokens)
     assert cache.ring_pages == 2 * (cache.max_pages - cache.capacity) or cache.capacity == cache.max_pages
     assert cache.stats.streamed_pages > 0 and cache.stats.rounds == 1
+    assert torch.equal(logits, resident_logits)
+
+
+def test_sink_residency_streams_the_middle_exactly(model, tokens, resident_logits):
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8, residency="sink_newest")
+    logits = run(model, cache, tokens)
+    assert sorted(cache.slot) == [0, 5, 6, 7]  # the sink page and the newest three
+    assert cache.stats.streamed_pages == 4 and cache.stats.rounds == 1
     assert torch.equal(logits, resident_logits)
 
 
@@ -163,6 +171,15 @@ def test_pinning_shrinks_capacity_and_reset_restores_it_exactly():
     # the draft's bytes are what the pool loses: 3 MiB / 60,000-byte page pairs
     assert before.pool_pages - with_draft.pool_pages in (3 * MIB // sum(pb), -(-3 * MIB // sum(pb)))
     assert with_draft.mib()["pinned"] == pytest.approx(3.0)
+
+
+def test_capacity_with_a_pinned_reservation(model):
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
+    cache.set_phase("decode")
+    pair = pair_bytes()
+    assert cache.capacity_with(0) == cache.layout.pool_pages // SPEC.n_layers
+    assert cache.capacity_with(SPEC.n_layers * 2 * pair) == cache.layout.pool_pages // SPEC.n_layers - 2
+    assert cache.capacity_with(-SPEC.n_layers * 3 * pair) == cache.layout.pool_pages // SPEC.n_layers + 3
 
 
 def test_views_share_the_one_allocation(model):
