@@ -51,12 +51,23 @@ class ArenaConfig:
 
 
 @dataclass
+class SpecConfig:
+    type: str = "none"         # none | a speculator | a comma chain in priority order: ngram-simple,ngram-mod
+    n_max: int = 15            # most draft tokens per round (a verify batch is 1 + n_max <= 16 tokens)
+
+    def __post_init__(self):
+        if not 1 <= self.n_max <= 15:
+            raise ValueError(f"spec.n_max={self.n_max}: a verify batch of 1 + n_max tokens must be 2..16")
+
+
+@dataclass
 class GenerateConfig:
     model: ModelSource = field(default_factory=ModelSource)
     hardware: Hardware = field(default_factory=Hardware)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache: CacheConfig = field(default_factory=CacheConfig)
     arena: ArenaConfig = field(default_factory=ArenaConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     prompt: str = "def quicksort(a):"
     chat: bool = False          # wrap the prompt in the GGUF's chat template
     system: str | None = None   # system message when chat=true

@@ -20,7 +20,7 @@ token for token (tests), sampled runs match it in distribution (chi-square test)
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -51,7 +51,8 @@ def accept(logits: torch.Tensor, draft: list[int], sampler: Sampler) -> list[int
 
 @torch.inference_mode()
 def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Sampler, chain, *,
-                         n_max: int = 16, stop_ids: Iterable[int] = (), prefill_chunk: int = 512) -> Generation:
+                         n_max: int = 15, stop_ids: Iterable[int] = (), prefill_chunk: int = 512,
+                         on_token: Callable[[int], None] | None = None) -> Generation:
     """Generate like :func:`kvstream.generate.generate`, drafting with ``chain`` (point-mass
     speculators); ``n_max`` caps the draft so a verify batch is at most 1 + n_max tokens."""
     stop = set(stop_ids)
@@ -63,7 +64,9 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     cache.set_phase("decode")
     _sync(dev)
     t1 = time.perf_counter()
+    emit = on_token or (lambda t: None)
     out = [int(sampler(logits))]
+    emit(out[0])
     records: list[StepRecord] = []
     while out[-1] not in stop and len(out) < max_new_tokens:
         ts = time.perf_counter()
@@ -79,6 +82,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             chain.accepted(len(draft), len(kept) - 1)
         for t in kept:
             out.append(t)
+            emit(t)
             if t in stop:
                 break
         records.append(StepRecord.of(len(records), cache, len(kept), time.perf_counter() - ts))

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from kvstream.cli.generate import run
+from kvstream.cli.generate import FREE_TEXT, run
 from kvstream.config import GenerateConfig, quote_free_text, to_typed
 from kvstream.generate import generate
 from kvstream.model import load_model
@@ -30,7 +30,7 @@ def tiny(tmp_path_factory):
 
 def cfg_for(*overrides: str) -> GenerateConfig:
     overrides = list(overrides)
-    quote_free_text(overrides, ("prompt", "system"))  # as the command line does
+    quote_free_text(overrides, FREE_TEXT)  # as the command line does
     with initialize_config_module("conf", version_base=None):
         return to_typed(compose("generate", overrides=overrides), GenerateConfig)
 
@@ -77,6 +77,21 @@ def test_paged_caches_generate_like_the_contiguous_one(tmp_path, cache):
                     "prompt=def add(a, b):", "max_new_tokens=8", "ignore_eos=true"), out)
         outs.append(out.getvalue().splitlines()[0])
     assert outs[0] == outs[1]  # fp16 pages vs the fp32 dense cache: same greedy tokens here
+
+
+def test_speculative_generation_prints_the_same_greedy_text(tmp_path):
+    from test_paged_cache import SPEC
+    path = write_tiny_model(tmp_path / "m.gguf", SPEC)
+    common = [f"model.source={path}", "prompt=" + "ab cd ef " * 30, "max_new_tokens=40", "ignore_eos=true"]
+    plain, spec = io.StringIO(), io.StringIO()
+    run(cfg_for(*common), plain)
+    run(cfg_for(*common, "spec.type=ngram-simple,ngram-mod", "spec.n_max=8"), spec)
+    assert spec.getvalue().splitlines()[0] == plain.getvalue().splitlines()[0]
+    assert "spec ngram-simple:" in spec.getvalue() and "spec ngram-mod:" in spec.getvalue()
+    with pytest.raises(Exception, match="spec.n_max=16"):
+        cfg_for("spec.n_max=16")
+    with pytest.raises(Exception, match="draftmodel"):
+        run(cfg_for(*common, "spec.type=draftmodel"), io.StringIO())
 
 
 def test_run_prints_the_greedy_continuation_and_stats(tiny):

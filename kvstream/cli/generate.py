@@ -18,7 +18,13 @@ from ..loader import open_gguf
 from ..model import load_model
 from ..registry import resolve_model
 from ..sampling import Sampler
+from ..speculative import speculative_generate
+from ..speculators.base import build_chain
 from ..tokenizer import StreamDecoder, Tokenizer
+
+
+# values taken literally: free text, and speculator chains (commas would read as a Hydra sweep)
+FREE_TEXT = ("prompt", "system", "spec.type")
 
 
 def run(cfg: GenerateConfig, out=sys.stdout) -> None:
@@ -30,7 +36,10 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> None:
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": text}]
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
     prompt = tok.encode(text)
-    cache = make_cache(cfg.cache, cfg.arena, model, len(prompt) + cfg.max_new_tokens, cfg.prefill_chunk)
+    speculating = cfg.spec.type != "none"
+    chain = build_chain(cfg.spec.type) if speculating else None
+    cache = make_cache(cfg.cache, cfg.arena, model, len(prompt) + cfg.max_new_tokens, cfg.prefill_chunk,
+                       verify_width=1 + cfg.spec.n_max if speculating else 1)
     stream = StreamDecoder(tok)
     stop = () if cfg.ignore_eos else tok.eog_ids
 
@@ -39,10 +48,18 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> None:
             out.write(stream.push(t))
             out.flush()
 
-    result = generate(model, cache, prompt, cfg.max_new_tokens, Sampler(cfg.sampling, cfg.hardware.device),
-                      stop_ids=stop, prefill_chunk=cfg.prefill_chunk, on_token=show)
+    sampler = Sampler(cfg.sampling, cfg.hardware.device)
+    if speculating:
+        result = speculative_generate(model, cache, prompt, cfg.max_new_tokens, sampler, chain, n_max=cfg.spec.n_max,
+                                      stop_ids=stop, prefill_chunk=cfg.prefill_chunk, on_token=show)
+    else:
+        result = generate(model, cache, prompt, cfg.max_new_tokens, sampler, stop_ids=stop,
+                          prefill_chunk=cfg.prefill_chunk, on_token=show)
     out.write(stream.flush() + "\n")
     print(result.stats.line(), file=out)
+    for name, st in (chain.stats().items() if speculating else ()):
+        print(f"spec {name}: {st.calls} calls, {st.drafts} drafts, {st.drafted_tokens} drafted, "
+              f"{st.accepted_tokens} accepted ({100 * st.acceptance_rate:.0f}%)", file=out)
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="generate")
@@ -51,7 +68,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    quote_free_text(sys.argv, ("prompt", "system"))
+    quote_free_text(sys.argv, FREE_TEXT)
     _main()
 
 
