@@ -23,50 +23,19 @@ def model(tmp_path_factory):
     return load_model(write_tiny_model(tmp_path_factory.mktemp("spec") / "m.gguf", SPEC))
 
 
-PROMPT = [11, 12, 13, 14, 15, 16, 17, 18] * 12 + [11, 12, 13]  # repetitive: n-grams find matches
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18] * 97 + [11, 12, 13]  # 779 tokens (4 pages), n-grams match
 
 
-def _verify_cache(model):
-    """A streamed paged cache reserved for verify batches of 1 + 8 tokens."""
-    from kvstream.cache_factory import make_cache
+def _streamed_cache(model):
+    """A paged cache that streams during decode (3 resident pages per layer of the 4 the run
+    needs), reserved for verify batches of 1 + 8 tokens."""
+    from kvstream.cache_factory import make_cache, reserve_slab
     from kvstream.config import ArenaConfig, CacheConfig
-    return make_cache(CacheConfig(mode="stream"), ArenaConfig(), model, 512, 32, verify_width=9)
-
-
-class Oracle:
-    """Drafts the plain run's continuation with every ``wrong``-th token replaced: full
-    acceptance, partial acceptance and the bonus token all happen."""
-
-    def __init__(self, future: list[int], prompt_len: int, wrong: int):
-        self.future, self.prompt_len, self.wrong = future, prompt_len, wrong
-
-    def __call__(self):
-        oracle = self
-
-        class _Oracle(Fixed):
-            name = "oracle"
-
-            def _propose(self, history, n_max, state):
-                pos = len(history) - oracle.prompt_len  # index of the next token in the run
-                d = oracle.future[pos:pos + n_max]
-                return [(t + 1) % 357 if (pos + i) % oracle.wrong == oracle.wrong - 1 else t for i, t in enumerate(d)]
-
-        return _Oracle([])
-
-
-@pytest.mark.parametrize("cache_kind", ["contiguous", "paged-stream"])
-@pytest.mark.parametrize("speculator", ["ngram", "oracle"])
-def test_greedy_speculation_equals_plain_decoding(model, cache_kind, speculator):
-    new_cache = (lambda: model.new_cache(512)) if cache_kind == "contiguous" else (lambda: _verify_cache(model))
-    plain = generate(model, new_cache(), PROMPT, 48, Sampler(GREEDY), prefill_chunk=32)  # same cache kind
-    spec = NgramSimple(n=3, m=8) if speculator == "ngram" else Oracle(plain.tokens, len(PROMPT), wrong=5)()
-    got = speculative_generate(model, new_cache(), PROMPT, 48, Sampler(GREEDY), Chain([spec]), n_max=8, prefill_chunk=32)
-    assert got.tokens == plain.tokens
-    assert spec.stats.drafts > 0
-    if speculator == "oracle":  # 4 of every 5 draft positions are right: most rounds keep several
-        assert spec.stats.accepted_tokens >= len(plain.tokens) // 2
-        assert max(r.new_tokens for r in got.records) == 5  # 4 accepted + the corrected token
-    assert sum(r.new_tokens for r in got.records) == len(got.tokens) - 1
+    from test_paged_cache import pair_bytes
+    mib = (reserve_slab(model, 32) + (SPEC.n_layers * 2 + 4) * pair_bytes() + 4096) / 2**20  # fits prefill
+    cache = make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(mib=str(mib)), model, 1024, 32,
+                       verify_width=9)
+    return cache
 
 
 class Fixed(Speculator):
@@ -83,6 +52,39 @@ class Fixed(Speculator):
 
     def _accepted(self, n_drafted, n_accepted):
         pass
+
+
+class Oracle(Fixed):
+    """Drafts the plain run's continuation with every ``wrong``-th token replaced, so full
+    acceptance, partial acceptance and the bonus token all happen."""
+
+    name = "oracle"
+
+    def __init__(self, future: list[int], prompt_len: int, wrong: int):
+        super().__init__(future)
+        self.prompt_len, self.wrong = prompt_len, wrong
+
+    def _propose(self, history, n_max, state):
+        pos = len(history) - self.prompt_len  # index in the run of the next token
+        return [(t + 1) % 357 if (pos + i) % self.wrong == self.wrong - 1 else t
+                for i, t in enumerate(self.tokens[pos:pos + n_max])]
+
+
+@pytest.mark.parametrize("cache_kind", ["contiguous", "paged-stream"])
+@pytest.mark.parametrize("speculator", ["ngram", "oracle"])
+def test_greedy_speculation_equals_plain_decoding(model, cache_kind, speculator):
+    new_cache = (lambda: model.new_cache(1024)) if cache_kind == "contiguous" else (lambda: _streamed_cache(model))
+    plain = generate(model, new_cache(), PROMPT, 48, Sampler(GREEDY), prefill_chunk=32)  # same cache kind
+    spec = NgramSimple(n=3, m=8) if speculator == "ngram" else Oracle(plain.tokens, len(PROMPT), wrong=5)
+    got = speculative_generate(model, new_cache(), PROMPT, 48, Sampler(GREEDY), Chain([spec]), n_max=8, prefill_chunk=32)
+    assert got.tokens == plain.tokens
+    assert spec.stats.drafts > 0
+    if speculator == "oracle":  # 4 of every 5 draft positions are right: most rounds keep several
+        assert spec.stats.accepted_tokens >= len(plain.tokens) // 2
+        assert max(r.new_tokens for r in got.records) == 5  # 4 accepted + the corrected token
+    assert sum(r.new_tokens for r in got.records) == len(got.tokens) - 1
+    if cache_kind == "paged-stream":
+        assert all(r.streamed_pages == 1 for r in got.records)  # verify batches read streamed pages
 
 
 def test_rejection_sampling_is_lossless():
@@ -108,13 +110,13 @@ def test_rejection_sampling_is_lossless():
 
 def test_sampled_speculation_is_seeded_and_rolls_back(model):
     params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.0, seed=3)
-    runs = [speculative_generate(model, model.new_cache(512), PROMPT, 24, Sampler(params),
+    runs = [speculative_generate(model, model.new_cache(1024), PROMPT, 24, Sampler(params),
                                  Chain([Fixed([11, 12, 13, 14])]), n_max=4) for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 24
     # the cache holds exactly the history: re-running plain decoding over it gives the same logits
-    cache = model.new_cache(512)
+    cache = model.new_cache(1024)
     speculative_generate(model, cache, PROMPT, 24, Sampler(params), Chain([Fixed([11, 12, 13, 14])]), n_max=4)
-    fresh = model.new_cache(512)
+    fresh = model.new_cache(1024)
     seq = PROMPT + runs[0].tokens[:-1]
     with torch.inference_mode():
         a = model(torch.tensor([runs[0].tokens[-1]]), cache)
