@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.formats import PAGE_TOKENS
+
 from .telemetry import StepStats
 
 
@@ -59,7 +61,7 @@ class ContiguousCache(CacheBase):
         if self.length + n > self.max_tokens:
             raise ContextOverflow(f"context of {self.length + n} tokens exceeds the cache's {self.max_tokens}")
         self._n = n
-        pages = -(-(self.length + n) // 256)
+        pages = -(-(self.length + n) // PAGE_TOKENS)
         self.stats = StepStats(resident_pages=pages, rounds=1)
         return torch.arange(self.length, self.length + n, device=self.k.device)
 

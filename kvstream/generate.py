@@ -61,6 +61,17 @@ def prefill(model, cache, prompt: list[int], chunk: int) -> torch.Tensor:
     return logits[-1]
 
 
+def prefill_phase(model, cache, prompt: list[int], chunk: int) -> tuple[torch.Tensor, float]:
+    """The prefill phase, timed: the prompt in chunks, then the cache switches to decode.
+    Returns the last logits [vocab] and the seconds it took (device synchronised)."""
+    _sync(model.device)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, prompt, chunk)
+    cache.set_phase("decode")
+    _sync(model.device)
+    return logits, time.perf_counter() - t0
+
+
 @torch.inference_mode()
 def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Sampler, *,
              stop_ids: Iterable[int] = (), prefill_chunk: int = 512,
@@ -68,11 +79,7 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     """Generate up to ``max_new_tokens`` after ``prompt``; stop early on any of ``stop_ids``."""
     stop = set(stop_ids)
     dev = model.device
-    _sync(dev)
-    t0 = time.perf_counter()
-    logits = prefill(model, cache, prompt, prefill_chunk)
-    cache.set_phase("decode")
-    _sync(dev)
+    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
     t1 = time.perf_counter()
     out: list[int] = []
     kept: list[torch.Tensor] = []
@@ -95,4 +102,4 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
         records.append(StepRecord.of(len(records), cache, 1, time.perf_counter() - ts))  # host time: no sync
     _sync(dev)
     t2 = time.perf_counter()
-    return Generation(out, GenerationStats(len(prompt), len(out), t1 - t0, t2 - t1), stopped, kept, records)
+    return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1), stopped, kept, records)

@@ -166,7 +166,6 @@ class PagedCache(CacheBase):
             self.kspace.index_copy_(0, idx, self.host.k[:, p].to(self.device, non_blocking=True))
             self.vspace.index_copy_(0, idx, self.host.v[:, p].to(self.device, non_blocking=True))
             self.stats.h2d_bytes += self.n_layers * self.layout.pair
-        self.stats.uploads += uploads
         # rounds: contiguous page runs with at most half the ring of streamed pages each
         half = max(1, self.ring_pages // 2)
         self.rounds, start, streamed = [], 0, []

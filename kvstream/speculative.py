@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .generate import Generation, GenerationStats, _sync, prefill
+from .generate import Generation, GenerationStats, _sync, prefill_phase
 from .sampling import Sampler
 from .telemetry import StepRecord
 
@@ -58,11 +58,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     stop = set(stop_ids)
     dev = model.device
     chain.begin(prompt)
-    _sync(dev)
-    t0 = time.perf_counter()
-    logits = prefill(model, cache, prompt, prefill_chunk)
-    cache.set_phase("decode")
-    _sync(dev)
+    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
     t1 = time.perf_counter()
     emit = on_token or (lambda t: None)
     out = [int(sampler(logits))]
@@ -89,4 +85,4 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     _sync(dev)
     t2 = time.perf_counter()
     stopped = out[-1] if out[-1] in stop else None
-    return Generation(out, GenerationStats(len(prompt), len(out), t1 - t0, t2 - t1), stopped, [], records)
+    return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1), stopped, [], records)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+
+from kernels.formats import PAGE_TOKENS
 
 
 @dataclass
@@ -14,7 +16,6 @@ class StepStats:
     rounds: int = 0          # ring rounds per layer
     h2d_bytes: int = 0
     d2h_bytes: int = 0
-    uploads: list[int] = field(default_factory=list)  # logical pages re-uploaded this step
 
 
 @dataclass
@@ -35,7 +36,7 @@ class StepRecord:
     @classmethod
     def of(cls, step: int, cache, new_tokens: int, step_s: float) -> "StepRecord":
         s = cache.stats
-        return cls(step, cache.length, -(-cache.length // 256), s.resident_pages, s.streamed_pages, s.rounds,
+        return cls(step, cache.length, -(-cache.length // PAGE_TOKENS), s.resident_pages, s.streamed_pages, s.rounds,
                    s.h2d_bytes, s.d2h_bytes, new_tokens, step_s)
 
     def row(self) -> dict:
