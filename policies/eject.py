@@ -8,7 +8,9 @@ back to the resident-page pool; a *re-enable* pins them again. Families (DESIGN.
   draft-active capacity), ``KeepPages(n)`` (above n pages per layer), ``Never``, ``Always``;
 - hysteresis wrappers: ``ReenablePages(policy, margin)`` (re-enable only once the working set
   sits ``margin`` pages below the eject threshold) and ``StableDecodes(policy, n)`` (no
-  transition before n decode batches since the last one).
+  transition before n decode batches since the last one);
+- ``Auto``: no threshold; compares the goodput (tokens/s) measured online in each state and
+  probes the other state when its measurement is missing or stale.
 
 Policies never read config; the entry point builds them (``build``).
 """
@@ -34,6 +36,12 @@ class Snapshot:
     capacity_without_draft: int   # ... and without it
     draft_active: bool
     decodes_since_transition: int
+    # Goodput (tokens/s) over the recent decode batches of the latest stint in each state, and
+    # the pages per layer when that measurement was last updated (None: never measured).
+    goodput_with: float | None = None
+    goodput_with_pages: int | None = None
+    goodput_without: float | None = None
+    goodput_without_pages: int | None = None
 
 
 def _toward(snap: Snapshot, want_draft: bool) -> Action:
@@ -109,15 +117,66 @@ class StableDecodes:
         return Action.STAY if snap.decodes_since_transition < self.n else action
 
 
-def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_decodes: int = 4):
+@dataclass(frozen=True)
+class Auto:
+    """Find the keep/eject crossover online, without a threshold.
+
+    At or below the onset nothing streams, so keeping the draft costs nothing: want it. Above,
+    compare the measured goodputs. A measurement is *fresh* when taken within ``probe_pages``
+    pages of the current working set. Nothing is decided in the first ``settle`` batches of a
+    stint (until then the current state's measurement still holds the previous stint or the
+    transition). After that: if the other state's measurement is missing or stale, switch to
+    probe it; if both are fresh, switch only when the other beats the current one by more than
+    ``margin`` (relative). So above the onset transitions are at least ``settle`` batches
+    apart; a probe that finds the other state worse returns once and, its result now fresh, is
+    not repeated until the context has moved ``probe_pages`` pages (or the current goodput has
+    fallen ``margin`` below it); a context that stands still sees one probe at most.
+    """
+
+    probe_pages: int = 16
+    settle: int = 8
+    margin: float = 0.03
+
+    def _fresh(self, snap: Snapshot, pages: int | None) -> bool:
+        return pages is not None and abs(snap.pages_per_layer - pages) <= self.probe_pages
+
+    def decide(self, snap: Snapshot) -> Action:
+        if snap.pages_per_layer <= snap.capacity_with_draft:
+            return _toward(snap, True)
+        if snap.decodes_since_transition < self.settle:
+            return Action.STAY
+        with_ = (snap.goodput_with, snap.goodput_with_pages)
+        without = (snap.goodput_without, snap.goodput_without_pages)
+        (cur, cur_pages), (other, other_pages) = (with_, without) if snap.draft_active else (without, with_)
+        if cur is None or not self._fresh(snap, cur_pages):
+            return Action.STAY  # no trustworthy number for where we are: nothing to compare
+        probe = other is None or not self._fresh(snap, other_pages)
+        if probe or other > cur * (1.0 + self.margin):
+            return _toward(snap, not snap.draft_active)
+        return Action.STAY
+
+
+def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_decodes: int = 4,
+          probe_pages: int = 16, settle: int = 8, margin: float = 0.03):
     """An eject policy by config name, wrapped in the default hysteresis (margin pages below
     the threshold to re-enable, ``stable_decodes`` batches between transitions; 0 turns each
-    off). Names: onset, keep_pages, never, always."""
-    base = {"onset": Onset(), "keep_pages": KeepPages(keep_pages), "never": Never(), "always": Always()}
+    off). Names: onset, keep_pages, never, always, auto.
+
+    ``auto`` takes ``probe_pages``, ``settle`` and ``margin`` and gets no ``ReenablePages``
+    (it has no threshold; freshness and ``margin`` are its hysteresis). ``StableDecodes``
+    wraps it as it wraps the others, so no transition comes sooner than ``stable_decodes``
+    batches after the last one; with ``settle >= stable_decodes`` (the defaults) it binds only
+    at the onset, since ``settle`` already spaces the transitions above it.
+    """
+    base = {"onset": Onset(), "keep_pages": KeepPages(keep_pages), "never": Never(), "always": Always(),
+            "auto": Auto(probe_pages, settle, margin)}
     if name not in base:
         raise ValueError(f"policy.eject={name!r}; choose one of {', '.join(base)}")
     if name == "keep_pages" and keep_pages < 1:
         raise ValueError(f"policy.keep_pages must be >= 1 pages per layer for keep_pages, got {keep_pages}")
+    if name == "auto" and (probe_pages < 1 or settle < 1 or margin < 0):
+        raise ValueError(f"policy.eject=auto needs probe_pages >= 1, settle >= 1 and margin >= 0, got "
+                         f"probe_pages={probe_pages}, settle={settle}, margin={margin}")
     policy = base[name]
     if reenable_margin and isinstance(policy, KeepPages):
         policy = ReenablePages(policy, reenable_margin)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import dataclass
+
 import pytest
 
-from policies.eject import Action, Always, KeepPages, Never, Onset, ReenablePages, Snapshot, StableDecodes, build
+from policies.eject import (Action, Always, Auto, KeepPages, Never, Onset, ReenablePages, Snapshot, StableDecodes,
+                            build)
 
 CAP_WITH, CAP_WITHOUT = 40, 52  # pages per layer with / without the draft pinned
 
@@ -71,7 +75,154 @@ def test_build_wraps_the_default_hysteresis_and_rejects_bad_names():
     assert isinstance(p, StableDecodes) and isinstance(p.inner, ReenablePages) and p.inner.margin == 8 and p.n == 4
     assert isinstance(build("never", stable_decodes=0), Never)
     assert build("keep_pages", keep_pages=300).inner.inner == KeepPages(300)
-    with pytest.raises(ValueError, match="policy.eject='sometimes'; choose one of onset, keep_pages, never, always"):
+    with pytest.raises(ValueError, match="policy.eject='sometimes'; choose one of onset, keep_pages, never, always, auto"):
         build("sometimes")
     with pytest.raises(ValueError, match="keep_pages must be >= 1"):
         build("keep_pages")
+
+
+# --- auto: goodput measured online -------------------------------------------------------------
+
+
+def auto_snap(pages, active, since=100, with_=None, without=None):
+    """A snapshot for Auto; ``with_`` / ``without`` are (goodput, pages when measured) or None."""
+    w, wp = with_ or (None, None)
+    wo, wop = without or (None, None)
+    return Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, w, wp, wo, wop)
+
+
+@pytest.mark.parametrize("snap, expected", [
+    # at or below the onset: the draft, whatever the numbers say
+    (auto_snap(CAP_WITH, True, without=(999.0, CAP_WITH)), Action.STAY),
+    (auto_snap(CAP_WITH, False, since=0, without=(999.0, CAP_WITH)), Action.REENABLE),
+    # above: nothing before `settle` batches of the stint
+    (auto_snap(60, True, since=7, with_=(50.0, 60)), Action.STAY),
+    # the other state never measured, or measured more than probe_pages (16) ago: probe it
+    (auto_snap(60, True, since=8, with_=(50.0, 60)), Action.EJECT),
+    (auto_snap(60, True, with_=(50.0, 60), without=(10.0, 43)), Action.EJECT),
+    (auto_snap(60, False, with_=(99.0, 43), without=(50.0, 60)), Action.REENABLE),
+    # both fresh: switch only past the 3 % margin
+    (auto_snap(60, True, with_=(50.0, 60), without=(51.0, 44)), Action.STAY),
+    (auto_snap(60, True, with_=(50.0, 60), without=(51.6, 44)), Action.EJECT),
+    (auto_snap(60, False, with_=(51.6, 59), without=(50.0, 60)), Action.REENABLE),
+    (auto_snap(60, False, with_=(40.0, 59), without=(50.0, 60)), Action.STAY),
+    # no fresh number for the current state: nothing to compare, stay
+    (auto_snap(60, True, without=(99.0, 60)), Action.STAY),
+    (auto_snap(60, True, with_=(50.0, 40), without=(99.0, 60)), Action.STAY),
+])
+def test_auto_decisions(snap, expected):
+    assert Auto().decide(snap) is expected
+
+
+# A synthetic engine for Auto. Goodput curves (tokens/s) over the context's pages per layer:
+# the draft doubles goodput at the onset, but it pins 12 pages of the pool, so it streams sooner
+# and its goodput falls faster; they cross at 228 pages per layer (then ejecting wins, by 23 %
+# at 400 pages). The best fixed threshold beats onset, never and always by 7-10 %.
+PAGE = 16  # tokens per page
+CROSSOVER = 228
+
+
+def keep_goodput(pages):
+    return 200.0 / (1 + max(0, pages - CAP_WITH) / 100)
+
+
+def eject_goodput(pages):
+    return 100.0 / (1 + max(0, pages - CAP_WITHOUT) / 400)
+
+
+KEEP_TOKENS = 3                 # tokens per verify round with the draft (accepted + bonus)
+REENABLE_S, EJECT_S = 0.05, 0.01  # re-pinning the draft (weights, its KV catching up) / unpinning
+WARMUP, WARMUP_SLOW = 2, 1.5    # the first batches of a stint run slower (what `settle` waits out)
+WINDOW = 4                      # the engine's goodput: tokens / seconds over the stint's last batches
+
+
+@dataclass
+class Run:
+    tokens_per_s: float
+    batches: list        # (pages, draft_active) per batch
+    transitions: list    # (pages, action)
+
+    def stints(self):
+        """(draft_active, first pages, batches) per run of batches in one state."""
+        out = []
+        for pages, active in self.batches:
+            if out and out[-1][0] == active:
+                out[-1][2] += 1
+            else:
+                out.append([active, pages, 1])
+        return out
+
+
+def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, noise=0.03, seed=0):
+    """Play the engine: a snapshot per batch, carry out the action, run one decode batch in the
+    current state, update that state's measured goodput. The context grows by the tokens kept."""
+    rng = random.Random(seed)
+    generated, seconds, active, since = 0, 0.0, True, 0
+    measured = {True: (None, None), False: (None, None)}  # state -> (goodput, pages when measured)
+    stint, batches, transitions = [], [], []
+    while start + generated // page_tokens < end and len(batches) < max_batches:
+        pages = start + generated // page_tokens
+        action = policy.decide(Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, *measured[True], *measured[False]))
+        if action is not Action.STAY:
+            assert active == (action is Action.EJECT), f"{action} while draft_active={active}"
+            active, since, stint = not active, 0, []
+            seconds += REENABLE_S if active else EJECT_S
+            transitions.append((pages, action))
+        n = KEEP_TOKENS if active else 1
+        dt = n / (keep_goodput if active else eject_goodput)(pages) * rng.uniform(1 - noise, 1 + noise)
+        dt *= WARMUP_SLOW if since < WARMUP else 1.0
+        generated, seconds, since = generated + n, seconds + dt, since + 1
+        stint.append((n, dt))
+        recent = stint[-WINDOW:]
+        measured[active] = (sum(k for k, _ in recent) / sum(t for _, t in recent), start + generated // page_tokens)
+        batches.append((pages, active))
+    return Run(generated / seconds, batches, transitions)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_auto_keeps_the_draft_below_the_crossover_and_ejects_soon_after_it(seed):
+    auto = build("auto")
+    run = simulate(auto, seed=seed)
+    probe, settle = auto.inner.probe_pages, auto.inner.settle
+    assert all(p > CAP_WITH for p, a in run.transitions if a is Action.EJECT)  # never below the onset
+    # The curves sit within the 3 % margin of each other from ~211 to ~245 pages: either state is
+    # right there, so the bounds below leave 2 probe intervals (32 pages) either side.
+    near = 2 * probe
+    stints = run.stints()
+    # below the crossover an eject is a probe: back after `settle` batches, once per probe_pages
+    below = [n for active, p, n in stints if not active and p < CROSSOVER - near]
+    assert below and max(below) == settle
+    assert len(below) <= (CROSSOVER - CAP_WITH) // probe + 1
+    # the first eject that sticks comes near the crossover ...
+    first = next(p for active, p, n in stints if not active and n > settle)
+    assert CROSSOVER - near <= first <= CROSSOVER + near
+    # ... and past it the draft comes back only to probe
+    assert all(n <= settle for active, p, n in stints if active and p > CROSSOVER + near)
+    assert len(run.transitions) <= 2 * ((400 - CAP_WITH) // probe + 2)
+
+
+def test_auto_reaches_the_best_fixed_threshold():
+    auto = simulate(build("auto")).tokens_per_s
+    fixed = {t: simulate(build("keep_pages", keep_pages=t)).tokens_per_s for t in range(CAP_WITH, 401, 5)}
+    best = max(fixed, key=fixed.get)
+    assert abs(best - CROSSOVER) <= 10, best  # the curves are what the test says they are
+    # probes cost settle batches in the worse state and two transitions per probe_pages pages
+    assert auto >= 0.95 * fixed[best], (auto, best, fixed[best])
+    assert auto > max(fixed[CAP_WITH], fixed[400], simulate(build("always")).tokens_per_s)  # onset, never, always
+
+
+@pytest.mark.parametrize("pages, transitions", [(100, ["eject", "reenable"]), (300, ["eject"]), (CROSSOVER, ["eject"])])
+def test_auto_does_not_flip_flop_on_a_standing_context(pages, transitions):
+    """A context that stands still: one probe (and its return when the probe lost), then quiet;
+    at the crossover the two states are within the margin and the probe stays."""
+    run = simulate(build("auto"), start=pages, page_tokens=10**9, max_batches=2000)
+    assert [a.value for _, a in run.transitions] == transitions
+
+
+def test_build_auto():
+    p = build("auto")
+    assert isinstance(p, StableDecodes) and p.n == 4 and p.inner == Auto(probe_pages=16, settle=8, margin=0.03)
+    assert build("auto", stable_decodes=0, probe_pages=8, settle=4, margin=0.1) == Auto(8, 4, 0.1)
+    for bad in ({"probe_pages": 0}, {"settle": 0}, {"margin": -0.1}):
+        with pytest.raises(ValueError, match="auto needs probe_pages >= 1, settle >= 1 and margin >= 0"):
+            build("auto", **bad)
