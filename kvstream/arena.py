@@ -74,16 +74,24 @@ class Layout:
 
 
 class Arena:
-    """One ``uint8`` allocation of ``nbytes`` on ``device`` and views into it."""
+    """One ``uint8`` allocation of ``nbytes`` on ``device`` and views into it.
 
-    def __init__(self, nbytes: int, device: str | torch.device):
+    ``Arena.over(view)`` manages a region of another arena instead (a draft's KV lives in its
+    target's pinned region that way): no allocation of its own."""
+
+    def __init__(self, nbytes: int, device: str | torch.device, buf: torch.Tensor | None = None):
         if nbytes <= 0:
             raise ArenaTooSmall(f"arena size must be positive, got {nbytes} bytes")
         self.nbytes = int(nbytes)
-        self.buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device) if buf is None else buf
         self.top = self.nbytes  # the pinned region is [top, nbytes)
         self.floor = 0  # bytes the current layout uses from the bottom; pins may not cross it
         self.pinned: list[tuple[str, int, int]] = []  # (name, offset, nbytes), in pin order
+
+    @classmethod
+    def over(cls, view: torch.Tensor) -> "Arena":
+        """An arena whose bytes are ``view`` (uint8, 1-D), a region of a larger allocation."""
+        return cls(view.numel(), view.device, buf=view)
 
     @property
     def device(self) -> torch.device:
@@ -144,7 +152,7 @@ class Arena:
                 f"{ring_pages} pages ({ring_pages * pair / MIB:.2f} MiB) + at least {min_pool_pages} resident pages "
                 f"({min_pool_pages * pair / MIB:.2f} MiB) need {need / MIB:.2f} MiB"
                 + (f" besides {self.pinned_bytes / MIB:.2f} MiB pinned" if self.pinned_bytes else "")
-                + f"; give arena.mib >= {-(-(need + self.pinned_bytes) // MIB)}")
+                + f"; give arena.mib >= {(need + self.pinned_bytes) / MIB:.2f}")
         layout = Layout(self.nbytes, slab, ring_pages, pool, k_page, v_page, self.pinned_bytes)
         self.floor = layout.end
         return layout

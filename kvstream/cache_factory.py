@@ -33,11 +33,20 @@ def reserve_slab(model, n_tokens: int) -> int:
     return n_tokens * width * model.dtype.itemsize + c.vocab_size * 4  # logits of the last token
 
 
+def paged_bytes(cfg, type_k: str, type_v: str, max_tokens: int, slab: int, ring_pages: int = 0) -> int:
+    """Arena bytes a paged cache of ``max_tokens`` tokens needs with every page resident."""
+    pair = (PageFormat(type_k, cfg.n_kv_heads, cfg.head_dim).page_bytes
+            + PageFormat(type_v, cfg.n_kv_heads, cfg.head_dim).page_bytes)
+    pages = cfg.n_layers * -(-max_tokens // PAGE_TOKENS) + ring_pages
+    return slab + pages * pair + 4 * ALIGN
+
+
 def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, prefill_chunk: int,
-               verify_width: int = 1):
+               verify_width: int = 1, pinned_bytes: int = 0):
     """The cache ``cache.mode`` names for ``max_tokens`` tokens. The phases' compute slabs are
     reserved for ``prefill_chunk`` tokens (prefill) and ``verify_width`` tokens (decode: 1 +
-    the most draft tokens a verify batch carries)."""
+    the most draft tokens a verify batch carries). ``arena.mib=auto`` leaves room for
+    ``pinned_bytes`` more in the pinned region (a draft)."""
     c = model.cfg
     if cache.mode == "contiguous":
         return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, model.dtype, model.device)
@@ -49,11 +58,8 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
     slabs = {"prefill": reserve_slab(model, prefill_chunk), "decode": reserve_slab(model, verify_width)}
     slab = max(slabs.values())
     if arena.mib == "auto":  # room for every page of the context: nothing needs to stream
-        pair = (PageFormat(cache.type_k, c.n_kv_heads, c.head_dim).page_bytes
-                + PageFormat(cache.type_v, c.n_kv_heads, c.head_dim).page_bytes)
         ring_pages = (ring or 2) if cache.mode == "stream" else 0
-        pages = c.n_layers * -(-max_tokens // PAGE_TOKENS) + ring_pages
-        nbytes = slab + pages * pair + 4 * ALIGN
+        nbytes = paged_bytes(c, cache.type_k, cache.type_v, max_tokens, slab, ring_pages) + pinned_bytes + ALIGN
     else:
         try:
             nbytes = int(float(arena.mib) * MIB)

@@ -120,8 +120,26 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+SKELETON = "kvstream.skeleton"  # metadata key of a GGUF that has a model's metadata but no weights
+
+
+def is_skeleton(reader: GGUFReader) -> bool:
+    return bool(_field(reader, SKELETON, False))
+
+
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights of the shapes ``cfg`` needs (matrices scaled by 1/sqrt(fan-in)):
+    timing runs at a model's real shapes without its weights (GPU.md)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return {name: torch.randn(shape, generator=g, device=device, dtype=dtype) / (shape[-1] ** 0.5 if len(shape) > 1 else 1)
+            for name, shape in expected_tensors(cfg).items()}
+
+
 def load_weights(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor the model needs (gguf's reference dequantizers) to ``dtype`` on ``device``."""
+    """Dequantize every tensor the model needs (gguf's reference dequantizers) to ``dtype`` on
+    ``device``; a skeleton GGUF (``experiments/skeleton_gguf.py``) gets seeded random weights."""
+    if is_skeleton(reader):
+        return random_weights(cfg, dtype, device)
     by_name = {t.name: t for t in reader.tensors}
     out = {}
     for name, shape in expected_tensors(cfg).items():

@@ -7,7 +7,8 @@ halves of each head rotate together), which is HF's ``rotate_half``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +116,32 @@ class Qwen:
         return F.linear(rms_norm(x, self.out_norm, cfg.rms_eps), self.lm_head).float()
 
     __call__ = forward
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every weight tensor by name (a tied output head appears once, as the embedding)."""
+        out = {"embed": self.embed, "out_norm": self.out_norm}
+        if self.lm_head is not self.embed:
+            out["lm_head"] = self.lm_head
+        for i, L in enumerate(self.layers):
+            out.update({f"{i}.{f.name}": getattr(L, f.name) for f in fields(L) if getattr(L, f.name) is not None})
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def map_tensors(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> "Qwen":
+        """A copy whose every weight is ``fn(name, tensor)`` (same config, shapes and ties):
+        how a draft's weights move into arena views and back."""
+        new = {name: fn(name, t) for name, t in self.tensors().items()}
+        other = object.__new__(Qwen)
+        other.__dict__.update(self.__dict__)
+        other.embed, other.out_norm = new["embed"], new["out_norm"]
+        other.lm_head = new.get("lm_head", other.embed)
+        other.layers = [replace(L, **{f.name: new[f"{i}.{f.name}"] for f in fields(L) if getattr(L, f.name) is not None})
+                        for i, L in enumerate(self.layers)]
+        other.inv_freq = self.inv_freq.to(other.embed.device)
+        return other
 
     def new_cache(self, max_tokens: int):
         c = self.cfg

@@ -101,6 +101,23 @@ class PagedCache(CacheBase):
             self.arena.release_layout()
             self.relayout(self.slabs[phase])
 
+    def rearrange(self, change):
+        """Re-lay the arena around a change of its pinned region: ``change()`` pins or releases
+        (a draft's re-enable or eject) while no layout holds the bytes; the pool then takes what
+        is free and resident pages are re-uploaded from the host store. Returns ``change()``."""
+        self.arena.release_layout()
+        out = change()
+        self.relayout(self.slabs[self.phase])
+        return out
+
+    def move_to(self, arena: Arena) -> None:
+        """Live in another arena from now on (a draft's KV re-pinned at a new place); the pages
+        come back from the host store, which holds every committed row."""
+        if arena.device != self.device:
+            raise ValueError(f"cannot move a cache on {self.device} to an arena on {arena.device}")
+        self.arena = arena
+        self.relayout(self.slabs[self.phase])
+
     # ---- layout and residency ------------------------------------------------------------
 
     def relayout(self, slab_bytes: int) -> Layout:

@@ -64,6 +64,14 @@ class Sampler:
         vals, ids = filter_logits(logits.float(), self.params)
         return torch.softmax(vals / self.params.temperature, -1), ids
 
+    def dense(self, logits: torch.Tensor) -> torch.Tensor:
+        """The final distribution over the whole vocabulary [vocab] (one-hot when greedy)."""
+        out = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+        if self.params.greedy:
+            return out.index_fill_(0, logits.argmax(-1, keepdim=True), 1.0)
+        probs, ids = self.probs(logits)
+        return out.scatter_(0, ids, probs)
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [vocab] -> token id as a 0-d int64 tensor on the logits' device (no host sync)."""
         if self.params.greedy:

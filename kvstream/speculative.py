@@ -8,10 +8,14 @@ One round (DESIGN.md, "One decode step, as data"):
    token) or, at T > 0, lossless rejection sampling: accept draft token d with probability
    min(1, p(d) / q(d)); on rejection sample from normalise(max(0, p - q)). For point-mass
    drafts (n-gram speculators) q is one-hot, so the test is ``u < p(d)`` and the residual is
-   p without d. When every draft token is accepted, a bonus token is sampled from the last
-   position. p is the sampler's final distribution (top-k / top-p / min-p / temperature);
+   p without d; a draft model reports its q. When every draft token is accepted, a bonus token
+   is sampled from the last position. p is the sampler's final distribution (top-k / top-p /
+   min-p / temperature). Synthetic acceptance (timing studies) instead keeps each draft
+   token with probability alpha whatever its content: such output is NOT the target's;
 4. the target cache is rolled back past the last kept token; only the chain's winner is told
-   how many tokens were accepted.
+   how many tokens were accepted;
+5. policies act on the telemetry: the draft length for the next round, the chain's order,
+   and (``DraftControl``) ejecting or re-enabling a pinned draft model.
 
 The output has the target's distribution whatever the draft: greedy runs equal plain decoding
 token for token (tests), sampled runs match it in distribution (chi-square test).
@@ -21,59 +25,96 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
+
+from policies.chain_order import ChainSnapshot
+from policies.draft_length import Fixed, LengthSnapshot
 
 from .generate import Generation, GenerationStats, _sync, prefill_phase
 from .sampling import Sampler
 from .telemetry import StepRecord
 
 
-def accept(logits: torch.Tensor, draft: list[int], sampler: Sampler) -> list[int]:
+def accept(logits: torch.Tensor, draft: list[int], sampler: Sampler, q: torch.Tensor | None = None,
+           alpha: float | None = None) -> list[int]:
     """Tokens kept from one verify pass: the accepted draft prefix plus one token sampled by
-    the target (the correction at the first rejection, or the bonus). logits [1 + n, vocab]."""
+    the target (the correction at the first rejection, or the bonus). logits [1 + n, vocab];
+    q [n, vocab] the draft's distributions (None: point masses); alpha: synthetic acceptance."""
     out = []
     for i, d in enumerate(draft):
-        if sampler.params.greedy:
+        if alpha is not None:
+            if not bool(torch.rand((), generator=sampler.generator, device=sampler.generator.device) < alpha):
+                return out + [int(sampler(logits[i]))]
+        elif sampler.params.greedy:
             t = int(logits[i].argmax())
             if t != d:
                 return out + [t]
         else:
-            probs, ids = sampler.probs(logits[i])
-            p_d = probs[ids == d].sum()
-            u = torch.rand((), generator=sampler.generator, device=probs.device)
-            if not bool(u < p_d):  # rejected: sample from p with d removed (q is one-hot)
-                residual = torch.where(ids == d, torch.zeros_like(probs), probs)
-                return out + [int(ids[torch.multinomial(residual, 1, generator=sampler.generator)[0]])]
+            p = sampler.dense(logits[i])
+            q_i = q[i] if q is not None else torch.zeros_like(p).index_fill_(0, torch.tensor([d], device=p.device), 1.0)
+            u = torch.rand((), generator=sampler.generator, device=p.device)
+            if not bool(u * q_i[d] < p[d]):  # accept with min(1, p/q); rejected: sample normalise(max(0, p - q))
+                residual = (p - q_i).clamp_min(0)
+                residual = residual if float(residual.sum()) > 0 else p
+                return out + [int(torch.multinomial(residual, 1, generator=sampler.generator)[0])]
         out.append(d)
     return out + [int(sampler(logits[len(draft)]))]
+
+
+@dataclass
+class _Timing:
+    """Running measurements the length policy reads: target verify time per width, draft time."""
+
+    width_s: dict[int, float]
+    draft_s: float = 0.0
+    drafted: int = 0
+
+    def update(self, width: int, target_s: float, draft_s: float, drafted: int) -> None:
+        old = self.width_s.get(width)
+        self.width_s[width] = target_s if old is None else 0.8 * old + 0.2 * target_s  # EWMA: context grows
+        if drafted:
+            self.draft_s += draft_s
+            self.drafted += drafted
 
 
 @torch.inference_mode()
 def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Sampler, chain, *,
                          n_max: int = 15, stop_ids: Iterable[int] = (), prefill_chunk: int = 512,
-                         on_token: Callable[[int], None] | None = None) -> Generation:
-    """Generate like :func:`kvstream.generate.generate`, drafting with ``chain`` (point-mass
-    speculators); ``n_max`` caps the draft so a verify batch is at most 1 + n_max tokens."""
+                         on_token: Callable[[int], None] | None = None, synthetic_acceptance: float | None = None,
+                         length_policy=None, order_policy=None, control=None, progress: bool = False) -> Generation:
+    """Generate like :func:`kvstream.generate.generate`, drafting with ``chain``. ``n_max`` caps
+    the draft (a verify batch is at most 1 + n_max tokens); ``length_policy`` picks each
+    round's length, ``order_policy`` the chain's order, ``control`` ejects / re-enables a
+    pinned draft model (``DraftControl``)."""
     stop = set(stop_ids)
     dev = model.device
-    chain.begin(prompt)
+    length_policy = length_policy or Fixed(n_max)
     logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
+    t0 = time.perf_counter()
+    chain.begin(prompt)  # a draft model reads the prompt here: part of the prefill phase
+    prefill_s += time.perf_counter() - t0
     t1 = time.perf_counter()
     emit = on_token or (lambda t: None)
     out = [int(sampler(logits))]
     emit(out[0])
     records: list[StepRecord] = []
+    timing, last = _Timing({}), (0, 0)
+    n_round = length_policy.decide(LengthSnapshot(n_max, 0, 0, None, {}, None, 0))  # current 0: the first round
+    accepted_total = drafted_total = 0
+    bar = tqdm(total=max_new_tokens, initial=1, desc="decode", unit="tok", disable=not progress, leave=False)
     while out[-1] not in stop and len(out) < max_new_tokens:
         ts = time.perf_counter()
-        budget = min(n_max, max_new_tokens - len(out) - 1)  # room for the kept drafts + one more
+        budget = min(n_round, max_new_tokens - len(out) - 1)  # room for the kept drafts + one more
         draft = chain.propose(prompt + out, budget) if budget > 0 else []
-        if chain.last_probs is not None:
-            raise NotImplementedError("drafts with probabilities (a draft model) need q-aware acceptance")
+        draft_s = time.perf_counter() - ts
         start = cache.length
         logits = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True)
-        kept = accept(logits, draft, sampler)
+        kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
         cache.truncate(start + len(kept))  # the last sampled token and the accepted drafts stay
+        winner = chain.last_winner.name if chain.last_winner is not None else ""
         if draft:
             chain.accepted(len(draft), len(kept) - 1)
         for t in kept:
@@ -81,7 +122,24 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             emit(t)
             if t in stop:
                 break
-        records.append(StepRecord.of(len(records), cache, len(kept), time.perf_counter() - ts))
+        step_s = time.perf_counter() - ts
+        timing.update(1 + len(draft), step_s - draft_s, draft_s, len(draft))
+        drafted_total, accepted_total = drafted_total + len(draft), accepted_total + len(kept) - 1
+        records.append(StepRecord.of(len(records), cache, len(kept), step_s, verify_width=1 + len(draft),
+                                     drafted=len(draft), accepted=len(kept) - 1, draft_s=draft_s,
+                                     draft_active=bool(control and control.active), speculator=winner))
+        bar.update(len(kept))
+        if control is not None:
+            control.after_step(len(records) - 1, len(kept), step_s)
+        last = (len(draft), len(kept) - 1)  # (0, 0) after a round without a draft: no change
+        n_round = length_policy.decide(LengthSnapshot(
+            n_max, *last, accepted_total / drafted_total if drafted_total else None, dict(timing.width_s),
+            timing.draft_s / timing.drafted if timing.drafted else None, n_round))
+        if order_policy is not None and len(chain) > 1:
+            chain.reorder(order_policy.decide(ChainSnapshot(tuple(chain.names), {
+                s.name: (s.stats.calls, s.stats.drafted_tokens, s.stats.accepted_tokens, s.stats.seconds)
+                for s in chain})))
+    bar.close()
     _sync(dev)
     t2 = time.perf_counter()
     stopped = out[-1] if out[-1] in stop else None

@@ -31,13 +31,19 @@ class StepRecord:
     h2d_bytes: int
     d2h_bytes: int
     new_tokens: int       # tokens this step added (1 + accepted draft tokens)
-    step_s: float
+    step_s: float         # the whole step: drafting, verification, acceptance
+    verify_width: int = 1  # tokens of the target's forward pass (1 + drafted)
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0  # seconds the speculator chain spent proposing
+    draft_active: bool = False  # a draft model is pinned (not ejected) during the step
+    speculator: str = ""  # the chain's winner, if any
 
     @classmethod
-    def of(cls, step: int, cache, new_tokens: int, step_s: float) -> "StepRecord":
+    def of(cls, step: int, cache, new_tokens: int, step_s: float, **spec) -> "StepRecord":
         s = cache.stats
         return cls(step, cache.length, -(-cache.length // PAGE_TOKENS), s.resident_pages, s.streamed_pages, s.rounds,
-                   s.h2d_bytes, s.d2h_bytes, new_tokens, step_s)
+                   s.h2d_bytes, s.d2h_bytes, new_tokens, step_s, **spec)
 
     def row(self) -> dict:
         return asdict(self)

@@ -438,6 +438,8 @@ def test_statistics_counts():
     for acc in (4, 0, 2):
         assert ch.propose([1], 3) == [4, 5, 6]  # truncated to n_max
         ch.accepted(3, min(acc, 3))
+    assert ch.stats()["b"].seconds > 0 and ch.stats()["a"].seconds > 0  # wall time of the proposals
+    ch.stats()["a"].seconds = ch.stats()["b"].seconds = 0.0
     assert ch.stats()["b"] == SpeculatorStats(calls=3, drafts=3, drafted_tokens=9,
                                               accepted_tokens=5, accepted_drafts=2, feedbacks=3)
     assert ch.stats()["a"] == SpeculatorStats(calls=3)
@@ -493,19 +495,20 @@ def test_registry_errors():
         base.register("ngram-simple", lambda: Fixed("x", []))
 
 
-def test_registry_accepts_a_draft_speculator(monkeypatch):
+def test_registry_accepts_a_new_speculator(monkeypatch):
+    """How an MTP head would plug in: register a factory, name it in a chain."""
     monkeypatch.setattr(base, "REGISTRY", dict(base.REGISTRY))
     seen = {}
 
-    @base.register("draft")
-    def make_draft(**options):
+    @base.register("mtp")
+    def make_mtp(**options):
         seen.update(options)
-        return Fixed("draft", [9, 9])
+        return Fixed("mtp", [9, 9])
 
-    ch = build_chain("ngram-simple,draft", {"draft": {"model": "qwen2.5-coder-0.5b"}})
-    assert ch.names == ["ngram-simple", "draft"] and seen == {"model": "qwen2.5-coder-0.5b"}
+    ch = build_chain("ngram-simple,mtp", {"mtp": {"heads": 1}})
+    assert ch.names == ["ngram-simple", "mtp"] and seen == {"heads": 1}
     state = object()  # e.g. an MTP head's hidden state: passed through, ignored by n-grams
-    assert ch.propose([1, 2, 3], 4, state) == [9, 9] and ch.last_winner.name == "draft"
+    assert ch.propose([1, 2, 3], 4, state) == [9, 9] and ch.last_winner.name == "mtp"
 
 
 # --------------------------------------------------------------------------------------------

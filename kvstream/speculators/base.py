@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -74,6 +75,7 @@ class SpeculatorStats:
     accepted_tokens: int = 0  # draft tokens the target accepted (feedback of the winner)
     accepted_drafts: int = 0  # drafts of which at least one token was accepted
     feedbacks: int = 0  # accepted() calls
+    seconds: float = 0.0  # wall time spent in propose() (a draft model syncs the device per token)
 
     @property
     def acceptance_rate(self) -> float:
@@ -136,7 +138,9 @@ class Speculator(abc.ABC):
         self.last_probs = None
         if n_max <= 0 or len(history) == 0:
             return []
+        t0 = time.perf_counter()
         draft = self._propose(_as_token_list(history), int(n_max), state)
+        self.stats.seconds += time.perf_counter() - t0
         if len(draft) > n_max:
             draft = draft[:n_max]
             if self.last_probs is not None:
@@ -303,7 +307,7 @@ SpeculatorFactory = Callable[..., Speculator]
 REGISTRY: dict[str, SpeculatorFactory] = {}
 
 #: modules whose import registers speculators; imported on first use of the builders
-BUILTIN_MODULES: list[str] = ["kvstream.speculators.ngram"]
+BUILTIN_MODULES: list[str] = ["kvstream.speculators.ngram", "kvstream.speculators.draft"]
 
 NONE = "none"
 

@@ -1,0 +1,82 @@
+"""Carrying out eject / re-enable decisions on a draft pinned in the target's arena.
+
+After every decode batch the engine calls ``after_step``: it measures goodput in the current
+state, builds the policy's ``Snapshot`` and, on EJECT, gives the draft's pinned bytes (weights,
+draft KV and its compute slab) back to the target's page pool; on REENABLE it pins them again
+from the host copy. Both re-lay the target's arena (``PagedCache.rearrange``): the pool grows or
+shrinks by the draft's bytes and resident pages are re-uploaded from the host store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kernels.formats import PAGE_TOKENS
+from policies.eject import Action, Snapshot
+
+GOODPUT_WINDOW = 16  # decode batches a goodput measurement averages over
+GOODPUT_MIN = 4      # batches in a state before its goodput counts as measured
+
+
+@dataclass
+class Transition:
+    step: int
+    action: str
+    pages_per_layer: int
+    capacity_before: int  # resident pages per layer before / after the re-layout
+    capacity_after: int
+    seconds: float
+
+
+class DraftControl:
+    """Pins ``draft`` into ``cache``'s arena and applies ``policy`` after each decode batch."""
+
+    def __init__(self, draft, cache, policy):
+        if not hasattr(cache, "rearrange"):
+            raise ValueError("a draft model is pinned in the arena: use cache.mode=resident or stream")
+        self.draft, self.cache, self.policy = draft, cache, policy
+        self.capacity_without = cache.capacity
+        cache.rearrange(lambda: draft.pin(cache.arena))
+        self.bytes = draft.pinned_bytes
+        self.capacity_with = cache.capacity
+        self.since = 0
+        self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
+        self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
+        self.transitions: list[Transition] = []
+
+    @property
+    def active(self) -> bool:
+        return self.draft.enabled
+
+    def snapshot(self) -> Snapshot:
+        pages = -(-self.cache.length // PAGE_TOKENS)
+        return Snapshot(pages, self.capacity_with, self.capacity_without, self.active, self.since,
+                        *self.measured[True], *self.measured[False])
+
+    def after_step(self, step: int, new_tokens: int, step_s: float) -> Action:
+        """Record one decode batch; apply the policy's decision. Returns it."""
+        m = self.meter[self.active]
+        m.append((new_tokens, step_s))
+        if len(m) >= GOODPUT_MIN:
+            self.measured[self.active] = (sum(t for t, _ in m) / sum(s for _, s in m),
+                                          -(-self.cache.length // PAGE_TOKENS))
+        self.since += 1
+        snap = self.snapshot()
+        action = self.policy.decide(snap)
+        if action is Action.STAY:
+            return action
+        before, t0 = self.cache.capacity, time.perf_counter()
+        if action is Action.EJECT:
+            self.cache.rearrange(lambda: self.draft.eject(self.cache.arena))
+        else:
+            self.cache.rearrange(lambda: self.draft.pin(self.cache.arena))
+        self.transitions.append(Transition(step, action.value, snap.pages_per_layer, before, self.cache.capacity,
+                                           time.perf_counter() - t0))
+        self.since = 0
+        self.meter[self.active].clear()
+        return action
+
+    def count(self, action: str) -> int:
+        return sum(t.action == action for t in self.transitions)

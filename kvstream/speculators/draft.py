@@ -1,0 +1,187 @@
+"""The draft-model speculator: a small model of the same vocabulary, pinned in the target's arena.
+
+Its weights and its KV cache live in the arena's pinned region (views into the one
+allocation, ``pin``); an eject gives those bytes back to the target's page pool (``eject``)
+and a re-enable pins them again from the host copy of the weights, the draft's KV coming back
+from its own host store (a resident paged cache: every committed row is on the host too).
+
+Per round the draft first catches up: the tokens of the history it has not seen are fed in
+chunks (the prompt, the target's correction token, or everything generated while it was
+ejected). It then drafts one token per forward pass until ``n_max`` tokens, or until its top
+probability falls below ``p_min`` (llama.cpp's rule). After the round its KV holds exactly the
+accepted history (``_accepted`` rolls it back past the last accepted token).
+
+Deviations from llama.cpp, and why:
+- ``p_min`` is tested on the draft's full softmax at temperature 1; llama.cpp tests the top
+  candidate after its draft sampler's top-k 10, which renormalises over 10 tokens and so stops
+  a little later. The full softmax needs no second sampler chain.
+- At T > 0 the draft samples from the target's sampling chain applied to the draft's logits
+  and reports those distributions (``last_probs``) for lossless rejection sampling.
+- ``window`` > 0 bounds the draft's KV: when it is full the draft restarts on the newest
+  ``window / 2`` tokens (RoPE is relative, so the draft sees them as a whole short context).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..arena import Arena
+from ..cache_factory import paged_bytes, reserve_slab
+from ..loader import open_gguf
+from ..model import Qwen, load_model
+from ..paged_cache import PagedCache
+from ..sampling import Sampler, SamplingParams
+from ..tokenizer import gguf_metadata
+from .base import Speculator, register
+
+TOKENS = "tokenizer.ggml.tokens"
+
+
+class VocabMismatch(ValueError):
+    """The draft's vocabulary differs from the target's."""
+
+
+def check_vocab(target_tokens: list[str], draft_tokens: list[str], draft_name: str) -> None:
+    if target_tokens != draft_tokens:
+        first = next((i for i, (a, b) in enumerate(zip(target_tokens, draft_tokens)) if a != b),
+                     min(len(target_tokens), len(draft_tokens)))
+        raise VocabMismatch(
+            f"draft {draft_name} has a different vocabulary: {len(draft_tokens)} tokens vs the target's "
+            f"{len(target_tokens)}, first difference at token {first}; a draft must share the target's tokenizer")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+class DraftModel(Speculator):
+    """Drafts with a small model; ``pin``/``eject`` move its bytes in and out of an arena."""
+
+    name = "draft"
+
+    def __init__(self, host: Qwen, device: str | torch.device, *, max_tokens: int, type_k: str = "f16",
+                 type_v: str = "f16", window: int = 0, n_min: int = 0, p_min: float = 0.0, chunk: int = 512,
+                 sampling: SamplingParams | None = None):
+        super().__init__()
+        if window and window < 2 * chunk:
+            raise ValueError(f"draft window of {window} tokens must hold at least two catch-up chunks ({2 * chunk})")
+        self.host = host  # the weights the draft is (re-)pinned from
+        self.device = torch.device(device)
+        self.type_k, self.type_v = type_k, type_v
+        self.kv_tokens = window or max_tokens + 16  # + a draft's own tokens beyond the history
+        self.window, self.n_min, self.p_min, self.chunk = window, n_min, p_min, chunk
+        params = sampling or SamplingParams()
+        self.sampler = Sampler(SamplingParams(**{**vars(params), "seed": params.seed + 1}), self.device)
+        self.model: Qwen | None = None
+        self.cache: PagedCache | None = None
+        self.slab: int | None = None
+        self.fed: list[int] = []  # every token fed; the cache holds fed[base:]
+        self.base = 0
+        self.pinned_bytes = 0
+        self.enabled = False  # until pinned
+        self.draft_s = 0.0  # seconds of the last propose (set by the engine's timer)
+
+    # ---- arena ------------------------------------------------------------------------
+
+    def pin(self, arena: Arena) -> int:
+        """Pin the weights and the draft KV into ``arena``'s pinned region; returns the bytes."""
+        self._mark, before = arena.mark(), arena.pinned_bytes
+        self.model = self.host.map_tensors(
+            lambda name, t: arena.pin("draft." + name, tuple(t.shape), t.dtype).copy_(t, non_blocking=True))
+        if self.slab is None:  # the draft's compute peak: one catch-up chunk (measured on CUDA)
+            self.slab = reserve_slab(self.model, self.chunk)
+        c = self.model.cfg
+        kv = arena.pin("draft.kv", (paged_bytes(c, self.type_k, self.type_v, self.kv_tokens, self.slab),), torch.uint8)
+        if self.cache is None:
+            self.cache = PagedCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                                    max_tokens=self.kv_tokens, type_k=self.type_k, type_v=self.type_v, mode="resident",
+                                    arena=Arena.over(kv), ring_pages=0, slabs={"prefill": self.slab})
+        else:
+            self.cache.move_to(Arena.over(kv))
+        self.pinned_bytes = arena.pinned_bytes - before
+        self.enabled = True
+        return self.pinned_bytes
+
+    def eject(self, arena: Arena) -> int:
+        """Give the pinned bytes back; the draft KV stays on the host. Returns the bytes freed."""
+        self.model = None
+        self.enabled = False
+        return arena.reset(self._mark)
+
+    # ---- drafting -----------------------------------------------------------------------
+
+    def _truncate(self, n: int) -> None:
+        """Keep the first ``n`` fed tokens."""
+        if n < self.base:  # the window no longer reaches back that far: start over
+            self.fed, self.base = self.fed[:n], n
+            self.cache.truncate(0)
+        elif n < len(self.fed):
+            del self.fed[n:]
+            self.cache.truncate(n - self.base)
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Feed ``tokens`` after ``fed``, a chunk per forward pass; the logits after the last one."""
+        for lo in range(0, len(tokens), self.chunk):
+            piece = tokens[lo:lo + self.chunk]
+            if self.cache.length + len(piece) > self.kv_tokens:  # window full: restart on the newest half
+                self.base = len(self.fed) - (self.kv_tokens // 2 - len(piece))
+                piece = self.fed[self.base:] + piece
+                del self.fed[self.base:]
+                self.cache.truncate(0)
+            ids = torch.tensor(piece, dtype=torch.long, device=self.device)
+            for i in range(0, len(piece), self.chunk):
+                logits = self.model(ids[i:i + self.chunk], self.cache)
+            self.fed.extend(piece)
+        return logits[-1]
+
+    def begin(self, prompt: list[int]) -> None:
+        """Read the prompt (all but its last token, which the first round feeds) into the draft KV."""
+        if self.model is not None and len(prompt) > 1:
+            self._truncate(min(_common_prefix(self.fed, list(prompt)), len(prompt) - 1))
+            if len(self.fed) < len(prompt) - 1:
+                self._feed(list(prompt[len(self.fed):-1]))
+
+    def _propose(self, history: list[int], n_max: int, state) -> list[int]:
+        if self.model is None:
+            return []
+        # keep what the draft saw of this history, but re-feed at least the last token: its logits start the draft
+        self._truncate(min(_common_prefix(self.fed, history), len(history) - 1))
+        self._at = len(history)
+        logits = self._feed(history[len(self.fed):])
+        draft, probs = [], []
+        for i in range(n_max):
+            if self.p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < self.p_min:
+                break
+            q = self.sampler.dense(logits)
+            tok = int(logits.argmax()) if self.sampler.params.greedy else int(
+                torch.multinomial(q, 1, generator=self.sampler.generator)[0])
+            draft.append(tok)
+            probs.append(q)
+            if i + 1 < n_max:
+                logits = self._feed([tok])
+        if len(draft) < max(1, self.n_min):
+            return []
+        self.last_probs = None if self.sampler.params.greedy else torch.stack(probs)
+        return draft
+
+    def _accepted(self, n_drafted: int, n_accepted: int) -> None:
+        self._truncate(self._at + n_accepted)  # the draft KV holds exactly the accepted history
+
+
+def load_host(path: str, target_tokens: list[str], dtype: torch.dtype, device: str | torch.device) -> Qwen:
+    """A draft's weights on the host, after checking its vocabulary against ``target_tokens``."""
+    reader = open_gguf(path)
+    check_vocab(list(target_tokens), list(gguf_metadata(reader).get(TOKENS, [])), str(path))
+    host = load_model(reader, dtype, "cpu")
+    if torch.device(device).type == "cuda":  # pinned host memory: a re-enable copies at full PCIe speed
+        host = host.map_tensors(lambda name, t: t.pin_memory())
+    return host
+
+
+@register("draft")
+def _factory(host: Qwen, device: str | torch.device = "cpu", max_tokens: int = 4096, **options) -> DraftModel:
+    """``spec.type=draft``: ``host`` from :func:`load_host`; ``options`` as :class:`DraftModel`."""
+    return DraftModel(host, device, max_tokens=max_tokens, **options)

@@ -1,0 +1,233 @@
+"""The draft-model speculator pinned in the target's arena: lossless greedy output, exact
+draft-KV rollback, eject / re-enable accounting, q-aware rejection sampling, synthetic
+acceptance, the vocabulary check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvstream.arena import ALIGN, MIB, Arena
+from kvstream.cache_factory import make_cache, reserve_slab
+from kvstream.config import ArenaConfig, CacheConfig
+from kvstream.draft_control import DraftControl
+from kvstream.generate import generate
+from kvstream.model import load_model
+from kvstream.sampling import Sampler, SamplingParams
+from kvstream.speculative import accept, speculative_generate
+from kvstream.speculators.base import Chain
+from kvstream.speculators.draft import DraftModel, VocabMismatch, load_host
+from kvstream.speculators.ngram import NgramSimple
+from kvstream.tokenizer import Tokenizer
+from policies.eject import Action, Always, KeepPages, Never, Onset
+from test_paged_cache import SPEC, pair_bytes
+from tiny_gguf import TinySpec, write_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0)
+DRAFT_SPEC = TinySpec(arch="qwen2", hidden=64, n_heads=2, n_kv_heads=1, head_dim=64, ffn=64, n_layers=2,
+                      context_length=4096, seed=5)
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18] * 60 + [11, 12, 13]  # 483 tokens: 2 pages
+NEW = 40
+CHUNK = 16  # prefill chunks through the decode-attention path: a prefill slab close to the decode one
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("draft")
+    return write_tiny_model(d / "target.gguf", SPEC), write_tiny_model(d / "draft.gguf", DRAFT_SPEC)
+
+
+@pytest.fixture(scope="module")
+def model(files):
+    return load_model(files[0])
+
+
+@pytest.fixture(scope="module", params=["same-weights", "other-model"])
+def host(request, files):
+    """The draft's host weights: the target itself (high acceptance; its KV is f16, the
+    target's q8_0/q4_0, so some rejections) or a different random model (mostly rejections)."""
+    tok = Tokenizer.from_gguf(files[0])
+    return load_host(files[0] if request.param == "same-weights" else files[1], tok.token_texts, torch.float32, "cpu")
+
+
+def new_draft(host, **kw):
+    return DraftModel(host, "cpu", max_tokens=1024, chunk=CHUNK, **kw)
+
+
+def draft_bytes(host, **kw) -> int:
+    return new_draft(host, **kw).pin(Arena(256 * MIB, "cpu"))
+
+
+def arena_mib(model, host, pages_per_layer, ring=4, **kw):
+    """An arena whose decode layout, with the draft pinned, holds ``pages_per_layer`` pages per
+    layer (plus bytes short of one more page, which the slightly larger prefill slab takes)."""
+    fixed = reserve_slab(model, 9) + 4 * ALIGN + draft_bytes(host, **kw)
+    return (fixed + (SPEC.n_layers * pages_per_layer + ring + 1) * pair_bytes() - 1) / MIB
+
+
+def target_cache(model, mib, ring=4):
+    return make_cache(CacheConfig(mode="stream", ring_pages=str(ring)), ArenaConfig(mib=str(mib)), model, 1024, CHUNK,
+                      verify_width=9)
+
+
+@dataclass
+class Scripted:
+    """Eject at step ``at`` and re-enable at step ``back`` (an eject policy for tests)."""
+
+    at: int
+    back: int
+    step: int = 0
+
+    def decide(self, snap):
+        self.step += 1
+        if self.step == self.at and snap.draft_active:
+            return Action.EJECT
+        if self.step == self.back and not snap.draft_active:
+            return Action.REENABLE
+        return Action.STAY
+
+
+def run_with_draft(model, host, policy, pages=2, window=0, n_max=8, **kw):
+    cache = target_cache(model, arena_mib(model, host, pages, window=window))
+    draft = new_draft(host, window=window)
+    control = DraftControl(draft, cache, policy)
+    assert control.capacity_with == pages
+    g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=n_max,
+                             prefill_chunk=CHUNK, control=control, **kw)
+    return g, draft, control, cache
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    cache = make_cache(CacheConfig(mode="resident"), ArenaConfig(), model, 1024, CHUNK)
+    return generate(model, cache, PROMPT, NEW, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
+
+
+@pytest.mark.parametrize("window", [0, 128])
+def test_greedy_with_a_pinned_draft_equals_plain_decoding(model, host, plain, window):
+    g, draft, control, _ = run_with_draft(model, host, Never(), window=window)
+    assert g.tokens == plain
+    assert draft.stats.drafts > 0 and all(r.draft_active for r in g.records)
+    assert sum(r.new_tokens for r in g.records) == len(g.tokens) - 1
+    assert g.records[-1].streamed_pages > 0  # the run ends in page 3 of 2 resident: verify batches stream
+    history = PROMPT + g.tokens
+    assert draft.fed == history[:len(draft.fed)]  # the draft KV never holds a rejected token
+    if window:
+        assert draft.base > 0 and draft.cache.length <= window  # it slid
+
+
+def test_draft_kv_holds_exactly_the_accepted_history(host):
+    """After a round the draft's KV equals a fresh draft that read the accepted history."""
+    arena = Arena(64 * MIB, "cpu")
+    d = new_draft(host)
+    d.pin(arena)
+    history = PROMPT[:300]
+    with torch.inference_mode():
+        draft = d.propose(history, 6)
+        d.accepted(len(draft), 2)
+        assert d.fed == history + draft[:2] and d.cache.length == len(d.fed)
+        fresh = new_draft(host)
+        fresh.pin(Arena(64 * MIB, "cpu"))
+        a = d.model(torch.tensor([7]), d.cache)
+        for piece in (history, draft[:1], draft[1:2], [7]):  # the batches the drafter ran
+            b = fresh._feed(piece)
+    assert torch.equal(a[-1], b)  # the same rows in the same batches: bit-identical
+
+
+def test_eject_gives_the_draft_bytes_to_the_page_pool_and_reenable_takes_them_back(model, host):
+    cache = target_cache(model, arena_mib(model, host, 2))
+    arena, layout0 = cache.arena, cache.layout
+    draft = new_draft(host)
+    control = DraftControl(draft, cache, Never())
+    pinned, pool_with = draft.pinned_bytes, cache.layout.pool_pages
+    assert arena.nbytes - arena.top == pinned and control.capacity_with == 2
+    state = (arena.top, list(arena.pinned), cache.layout, cache.capacity)
+    for _ in range(1000):
+        cache.rearrange(lambda: draft.eject(arena))
+        assert arena.top == arena.nbytes and cache.layout == layout0  # the pool took every byte back
+        assert cache.layout.pool_pages - pool_with in (pinned // pair_bytes(), pinned // pair_bytes() + 1)
+        cache.rearrange(lambda: draft.pin(arena))
+        assert (arena.top, arena.pinned, cache.layout, cache.capacity) == state
+    assert control.capacity_without == min(layout0.pool_pages // SPEC.n_layers, cache.max_pages)
+
+
+def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain):
+    g, draft, control, cache = run_with_draft(model, host, Scripted(at=3, back=8))
+    assert g.tokens == plain
+    assert [t.action for t in control.transitions] == ["eject", "reenable"]
+    active = [r.draft_active for r in g.records]
+    assert active[:2] == [True, True] and not any(active[3:7]) and all(active[8:])
+    assert all(r.drafted == 0 for r in g.records[3:8])  # ejected: plain decoding
+    assert control.transitions[0].capacity_after > control.transitions[0].capacity_before
+    history = PROMPT + g.tokens
+    assert draft.fed == history[:len(draft.fed)] and len(draft.fed) > len(PROMPT) + 8  # it caught up
+
+
+def test_onset_policy_ejects_when_the_context_outgrows_the_draft_active_pool(model, host, plain):
+    # 2 resident pages per layer with the draft; the run ends in page 3: the onset is crossed
+    g, draft, control, _ = run_with_draft(model, host, Onset(), pages=2)
+    assert g.tokens == plain
+    assert [t.action for t in control.transitions] == ["eject"]
+    assert control.transitions[0].pages_per_layer == control.capacity_with + 1
+    assert not g.records[-1].draft_active and g.records[-1].drafted == 0
+
+
+def test_always_ejects_at_once_and_keep_pages_never_below_its_threshold(model, host, plain):
+    g, _, control, _ = run_with_draft(model, host, Always())
+    assert g.tokens == plain and [t.step for t in control.transitions] == [0]
+    g, _, control, _ = run_with_draft(model, host, KeepPages(100))
+    assert g.tokens == plain and control.transitions == []
+
+
+def test_rejection_sampling_with_draft_distributions_is_lossless():
+    """Draft tokens sampled from q, accepted with min(1, p/q), residual max(0, p - q): the
+    first kept token follows p0, the second (after accepting d0) p1. Chi-square with 5 degrees
+    of freedom, 20.5 = the 0.999 quantile (a correct sampler fails 1 run in 1000)."""
+    torch.manual_seed(0)
+    logits, q = torch.randn(3, 6) * 1.5, torch.softmax(torch.randn(2, 6), -1)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7))
+    g = torch.Generator().manual_seed(1)
+    first, second = torch.zeros(6), torch.zeros(6)
+    for _ in range(30_000):
+        draft = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        kept = accept(logits, draft, sampler, q)
+        first[kept[0]] += 1
+        if len(kept) > 1:  # the first draft token was accepted: the second kept token follows p1
+            second[kept[1]] += 1
+    for counts, row in ((first, 0), (second, 1)):
+        expected = torch.softmax(logits[row], -1) * counts.sum()
+        assert float(((counts - expected) ** 2 / expected).sum()) < 20.5
+
+
+def test_synthetic_acceptance_keeps_each_draft_token_with_probability_alpha():
+    logits = torch.randn(5, 6)
+    sampler, kept = Sampler(SamplingParams(temperature=0.0, seed=2)), 0
+    n = 4000
+    for _ in range(n):
+        kept += len(accept(logits, [0], sampler, alpha=0.3)) - 1  # whatever the draft token is
+    # binomial(4000, 0.3): sd 29; 5 sd either side
+    assert abs(kept - 0.3 * n) < 5 * (n * 0.3 * 0.7) ** 0.5
+
+
+def test_draft_and_ngram_chain(model, host, plain):
+    cache = target_cache(model, arena_mib(model, host, 2))
+    draft = new_draft(host)
+    control = DraftControl(draft, cache, Never())
+    chain = Chain([NgramSimple(n=3, m=8), draft])
+    g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), chain, n_max=8, prefill_chunk=CHUNK,
+                             control=control)
+    assert g.tokens == plain
+    assert chain.get("ngram-simple").stats.drafts > 0
+    assert {r.speculator for r in g.records} <= {"ngram-simple", "draft", ""}
+
+
+def test_vocabulary_mismatch_is_a_clear_error(files):
+    tok = Tokenizer.from_gguf(files[0])
+    with pytest.raises(VocabMismatch, match=r"356 tokens vs the target's 357|357 tokens vs the target's 356"):
+        load_host(files[1], tok.token_texts[:-1], torch.float32, "cpu")
+    wrong = list(tok.token_texts)
+    wrong[40] = "zz"
+    with pytest.raises(VocabMismatch, match="first difference at token 40"):
+        load_host(files[1], wrong, torch.float32, "cpu")
