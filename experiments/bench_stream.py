@@ -26,7 +26,7 @@ import torch
 from kvstream.arena import MIB
 from kvstream.cache_factory import make_cache, reserve_slab
 from kvstream.config import ArenaConfig, CacheConfig
-from kvstream.loader import ModelConfig, expected_tensors
+from kvstream.loader import ModelConfig, random_weights
 from kvstream.model import Qwen
 
 QWEN15 = ModelConfig(arch="qwen2", n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, ffn=8960,
@@ -34,10 +34,7 @@ QWEN15 = ModelConfig(arch="qwen2", n_layers=28, hidden=1536, n_heads=12, n_kv_he
 
 
 def random_model(cfg: ModelConfig, device, dtype) -> Qwen:
-    g = torch.Generator(device=device).manual_seed(0)
-    w = {name: torch.randn(shape, generator=g, device=device, dtype=dtype) / (shape[-1] ** 0.5 if len(shape) > 1 else 1)
-         for name, shape in expected_tensors(cfg).items()}
-    return Qwen(cfg, w)
+    return Qwen(cfg, random_weights(cfg, dtype, device))
 
 
 def pinned_ceiling(device) -> float:

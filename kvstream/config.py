@@ -51,13 +51,42 @@ class ArenaConfig:
 
 
 @dataclass
+class DraftConfig:
+    source: str = "qwen2.5-coder-0.5b"  # the draft model: a registered name or a GGUF path (same vocabulary)
+    type_k: str = "f16"        # draft KV types (pinned in the arena with the draft's weights)
+    type_v: str = "f16"
+    window: int = 0            # draft KV tokens (0: the whole context); full: restart on the newest half
+    n_min: int = 0             # drafts shorter than this are dropped (llama.cpp's n_min)
+    p_min: float = 0.75        # stop drafting when the draft's top probability falls below it
+    chunk: int = 512           # catch-up tokens per draft forward pass (its compute slab)
+
+
+@dataclass
 class SpecConfig:
-    type: str = "none"         # none | a speculator | a comma chain in priority order: ngram-simple,ngram-mod
+    type: str = "none"         # none | a speculator | a comma chain in priority order: ngram-simple,draft
     n_max: int = 15            # most draft tokens per round (a verify batch is 1 + n_max <= 16 tokens)
+    synthetic_acceptance: float | None = None  # alpha: keep each draft token with this probability (timing only)
+    draft: DraftConfig = field(default_factory=DraftConfig)
 
     def __post_init__(self):
         if not 1 <= self.n_max <= 15:
             raise ValueError(f"spec.n_max={self.n_max}: a verify batch of 1 + n_max tokens must be 2..16")
+        a = self.synthetic_acceptance
+        if a is not None and not 0.0 <= a <= 1.0:
+            raise ValueError(f"spec.synthetic_acceptance={a}: a probability in [0, 1], or null for real verification")
+
+
+@dataclass
+class PolicyConfig:
+    eject: str = "onset"       # onset | keep_pages | never | always | auto (policies/eject.py)
+    keep_pages: int = 0        # keep_pages: eject above this many pages per layer
+    reenable_margin: int = 8   # re-enable once the working set is this many pages below the threshold (0: off)
+    stable_decodes: int = 4    # decode batches between transitions (0: off)
+    probe_pages: int = 16      # auto: a goodput measurement is fresh within this many pages
+    settle: int = 8            # auto: decode batches in a state before it is compared
+    margin: float = 0.03       # auto: relative goodput gain needed to switch state
+    draft_length: str = "fixed"  # fixed (spec.n_max) | heuristic (+2 / -1) | goodput (policies/draft_length.py)
+    chain_order: str = "fixed"   # fixed | by_goodput (policies/chain_order.py)
 
 
 @dataclass
@@ -68,6 +97,7 @@ class GenerateConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     arena: ArenaConfig = field(default_factory=ArenaConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     prompt: str = "def quicksort(a):"
     chat: bool = False          # wrap the prompt in the GGUF's chat template
     system: str | None = None   # system message when chat=true

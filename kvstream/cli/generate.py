@@ -11,15 +11,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from ..cache_factory import make_cache
 from ..config import GenerateConfig, quote_free_text, to_typed
-from ..generate import generate
 from ..loader import open_gguf
 from ..model import load_model
 from ..registry import resolve_model
-from ..sampling import Sampler
-from ..speculative import speculative_generate
-from ..speculators.base import build_chain
+from ..runner import run_decode
 from ..tokenizer import StreamDecoder, Tokenizer
 
 
@@ -35,11 +31,6 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> None:
     if cfg.chat:
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": text}]
         text = tok.apply_chat_template(messages, add_generation_prompt=True)
-    prompt = tok.encode(text)
-    speculating = cfg.spec.type != "none"
-    chain = build_chain(cfg.spec.type) if speculating else None
-    cache = make_cache(cfg.cache, cfg.arena, model, len(prompt) + cfg.max_new_tokens, cfg.prefill_chunk,
-                       verify_width=1 + cfg.spec.n_max if speculating else 1)
     stream = StreamDecoder(tok)
     stop = () if cfg.ignore_eos else tok.eog_ids
 
@@ -48,18 +39,18 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> None:
             out.write(stream.push(t))
             out.flush()
 
-    sampler = Sampler(cfg.sampling, cfg.hardware.device)
-    if speculating:
-        result = speculative_generate(model, cache, prompt, cfg.max_new_tokens, sampler, chain, n_max=cfg.spec.n_max,
-                                      stop_ids=stop, prefill_chunk=cfg.prefill_chunk, on_token=show)
-    else:
-        result = generate(model, cache, prompt, cfg.max_new_tokens, sampler, stop_ids=stop,
-                          prefill_chunk=cfg.prefill_chunk, on_token=show)
+    r = run_decode(cfg, model, tok, tok.encode(text), on_token=show)
     out.write(stream.flush() + "\n")
-    print(result.stats.line(), file=out)
-    for name, st in (chain.stats().items() if speculating else ()):
+    print(r.generation.stats.line(), file=out)
+    for name, st in (r.chain.stats().items() if r.chain else ()):
         print(f"spec {name}: {st.calls} calls, {st.drafts} drafts, {st.drafted_tokens} drafted, "
-              f"{st.accepted_tokens} accepted ({100 * st.acceptance_rate:.0f}%)", file=out)
+              f"{st.accepted_tokens} accepted ({100 * st.acceptance_rate:.0f}%), {st.seconds:.2f} s", file=out)
+    if r.control is not None:
+        c = r.control
+        print(f"draft: {c.bytes / 2**20:.1f} MiB pinned; capacity {c.capacity_with} pages/layer with it, "
+              f"{c.capacity_without} without; {c.count('eject')} ejects, {c.count('reenable')} re-enables", file=out)
+    if cfg.spec.synthetic_acceptance is not None:
+        print(f"SYNTHETIC acceptance alpha={cfg.spec.synthetic_acceptance}: the tokens are not the target's", file=out)
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="generate")

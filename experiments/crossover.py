@@ -1,0 +1,324 @@
+"""Keep-vs-eject crossover of a draft-threshold study: measured, and predicted by a step-cost model.
+
+    python -m experiments.crossover results/<study> [--keep keep] [--eject onset]
+
+Reads ``runs.csv`` (one row per decode cell) and ``steps.csv`` (one row per decode step) written by
+``experiments/draft_threshold.py`` and writes beside them:
+- ``decode_table.csv``: decode tok/s per (arm, context): mean, std, n over reps;
+- ``crossover.json``: the context where keeping the draft stops paying, measured (bootstrap interval
+  over reps) and predicted by a cost model fitted on ``steps.csv``, and their relative error;
+- ``best_threshold.csv``: per context, the best fixed arm and how close ``auto`` comes to it.
+Contexts are prompt tokens; pages per layer of a crossover are ``context / 256`` (fractional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+PAGE = 256  # tokens per KV page
+RUN_COLUMNS = ("arm", "context", "rep", "decode_tok_s")
+STEP_COLUMNS = ("step_s", "draft_s", "streamed_pages", "verify_width", "pages_per_layer", "drafted", "accepted")
+AUTO_GOAL = 0.95  # auto should reach this fraction of the best fixed threshold's tok/s
+PREDICTION_GOAL = 0.10  # predicted crossover within this relative error of the measured one
+
+
+def require(df: pd.DataFrame, columns, what: str) -> None:
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(f"{what} lacks column(s) {missing}; it has {list(df.columns)}")
+
+
+def arm_order(arms) -> list[str]:
+    """none, keep, onset, keep_pages=N by N, auto, then anything else by name."""
+    def key(a: str):
+        if a.startswith("keep_pages="):
+            return (3, float(a.split("=", 1)[1]), a)
+        return ({"none": 0, "keep": 1, "onset": 2, "auto": 4}.get(a, 5), 0.0, a)
+    return sorted(set(arms), key=key)
+
+
+def is_fixed(arm: str) -> bool:
+    return arm in ("keep", "onset") or arm.startswith("keep_pages=")
+
+
+def read_study(study: Path) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """runs.csv (required) and steps.csv (None when absent: no prediction then)."""
+    study = Path(study)
+    if not (study / "runs.csv").is_file():
+        raise FileNotFoundError(f"no runs.csv in {study}: pass the folder experiments/draft_threshold.py wrote")
+    runs = pd.read_csv(study / "runs.csv", dtype={"run_id": str, "arm": str})
+    steps_path = study / "steps.csv"
+    steps = pd.read_csv(steps_path, dtype={"run_id": str}) if steps_path.is_file() else None
+    return runs, steps
+
+
+def decode_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Mean, std (NaN for one rep) and n of decode tok/s per (arm, context), sorted."""
+    require(runs, RUN_COLUMNS, "runs.csv")
+    t = runs.groupby(["arm", "context"])["decode_tok_s"].agg(mean="mean", std="std", n="count").reset_index()
+    t.insert(2, "pages_per_layer", -(-t["context"] // PAGE))
+    rank = {a: i for i, a in enumerate(arm_order(t["arm"]))}
+    t = t.sort_values(["arm", "context"], key=lambda s: s.map(rank) if s.name == "arm" else s)
+    return t.reset_index(drop=True)
+
+
+def eject_threshold(runs: pd.DataFrame, eject: str) -> float:
+    """Context (tokens) up to which the eject arm still runs the draft, i.e. equals keep: N pages for
+    keep_pages=N, else the onset (median capacity_with_draft); -inf when runs.csv does not say."""
+    if eject.startswith("keep_pages="):
+        return float(eject.split("=", 1)[1]) * PAGE
+    if "capacity_with_draft" in runs and runs["capacity_with_draft"].notna().any():
+        return float(runs["capacity_with_draft"].median()) * PAGE
+    return -math.inf
+
+
+def _crossing(ctx: np.ndarray, d: np.ndarray, above: float):
+    """(i, context) of the first change of d = keep - eject from > 0 to <= 0, bracketed by ctx[i],
+    ctx[i+1] with ctx[i+1] > above, linearly interpolated; or None. Brackets at or below the eject
+    threshold are skipped: both arms run the same draft there, so their sign changes are noise."""
+    for i in range(len(d) - 1):
+        if ctx[i + 1] > above and d[i] > 0 >= d[i + 1]:
+            return i, ctx[i] + d[i] / (d[i] - d[i + 1]) * (ctx[i + 1] - ctx[i])
+    return None
+
+
+def _locate(keep: str, eject: str, ctx: np.ndarray, d: np.ndarray, above: float) -> dict:
+    """The crossover, or None with the side that wins above the threshold and why."""
+    hit = _crossing(ctx, d, above)
+    if hit is not None:
+        i, x = hit
+        again = ctx[i + 1:][d[i + 1:] > 0]  # keep may win again far out, once both arms stream
+        return dict(context_tokens=x, pages_per_layer=x / PAGE, bracket_tokens=[ctx[i], ctx[i + 1]],
+                    keep_wins_again_tokens=again[0] if len(again) else None, winner=None, reason=None)
+    over = ctx > above
+    lo, hi = (int(ctx[over][0]), int(ctx[-1])) if over.any() else (None, None)
+    if not over.any():
+        winner, why = None, f"no context above the eject threshold ({above:.0f} tokens)"
+    elif (d[over] > 0).all():
+        winner, why = keep, f"{keep} is faster at every context above the threshold ({lo}..{hi} tokens)"
+    elif (d[over] <= 0).all():
+        winner, why = eject, f"{eject} is as fast or faster at every context above the threshold ({lo}..{hi} tokens)"
+    else:
+        winner, why = None, f"{keep} - {eject} only turns from negative to positive in {lo}..{hi} tokens"
+    return dict(context_tokens=None, pages_per_layer=None, winner=winner, reason=why)
+
+
+def crossover(runs: pd.DataFrame, keep: str = "keep", eject: str = "onset", n_boot: int = 1000,
+              seed: int = 0) -> dict:
+    """Context (tokens, pages/layer) where mean(keep) - mean(eject) turns from positive to negative
+    above the eject threshold, interpolated linearly between the bracketing contexts, with 5/50/95 %
+    points of a bootstrap over reps (or the bracketing contexts when every context has one rep)."""
+    require(runs, RUN_COLUMNS, "runs.csv")
+    reps = {}
+    for arm in (keep, eject):
+        sub = runs[runs["arm"] == arm]
+        if sub.empty:
+            raise ValueError(f"no runs with arm {arm!r} (keep/eject arms not found); arms present: "
+                             f"{arm_order(runs['arm'])}")
+        reps[arm] = {c: g.to_numpy(float) for c, g in sub.groupby("context")["decode_tok_s"]}
+    ctx = np.array(sorted(set(reps[keep]) & set(reps[eject])), dtype=float)
+    if len(ctx) < 2:
+        raise ValueError(f"arms {keep!r} and {eject!r} share {len(ctx)} context(s); a crossover needs 2 or more")
+    d = np.array([reps[keep][c].mean() - reps[eject][c].mean() for c in ctx])
+    above = eject_threshold(runs, eject)
+    out = dict(keep=keep, eject=eject, eject_threshold_tokens=above, contexts=ctx.astype(int).tolist(),
+               keep_minus_eject=d.tolist()) | _locate(keep, eject, ctx, d, above)
+    if out["context_tokens"] is None:
+        return out
+    lo, hi = out["bracket_tokens"]
+    if all(len(reps[a][c]) == 1 for a in (keep, eject) for c in ctx):
+        # nothing to resample: all one can say is that the crossover lies between the bracketing contexts
+        ci, method, missed = [lo, out["context_tokens"], hi], "bracketing contexts (one rep per context)", 0.0
+    else:
+        rng = np.random.default_rng(seed)
+
+        def boot_means(v):  # n_boot means of v resampled with replacement
+            return v[rng.integers(0, len(v), (n_boot, len(v)))].mean(axis=1)
+        D = np.stack([boot_means(reps[keep][c]) - boot_means(reps[eject][c]) for c in ctx], axis=1)
+        xs = [h[1] for h in (_crossing(ctx, row, above) for row in D) if h is not None]
+        missed = 1 - len(xs) / n_boot
+        ci = np.percentile(xs, [5, 50, 95]).tolist() if xs else [None] * 3
+        method = f"bootstrap over reps ({n_boot} draws, seed {seed})"
+    return out | dict(ci_tokens=ci, ci_pages=[None if v is None else v / PAGE for v in ci], ci_method=method,
+                      draws_without_crossing=missed)
+
+
+def best_threshold(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per context: the fastest fixed arm (keep, onset, keep_pages=N), plain decoding ("none"), and
+    auto against the best fixed arm (goal: ratio >= 0.95) when an "auto" arm exists."""
+    wide = decode_table(runs).pivot(index="context", columns="arm", values="mean")
+    fixed = arm_order(a for a in wide.columns if is_fixed(a))
+    if not fixed:
+        raise ValueError(f"no keep/eject arms found (keep, onset, keep_pages=N); arms present: "
+                         f"{arm_order(wide.columns)}")
+    f = wide[fixed].dropna(how="all")
+    out = pd.DataFrame({"context": f.index, "pages_per_layer": -(-f.index // PAGE)})
+    out["best_arm"] = f.idxmax(axis=1).to_numpy()  # ties go to the first arm in arm_order
+    out["best_tok_s"] = f.max(axis=1).to_numpy()
+    out["none_tok_s"] = wide["none"].reindex(f.index).to_numpy() if "none" in wide else np.nan
+    if "auto" in wide:
+        out["auto_tok_s"] = wide["auto"].reindex(f.index).to_numpy()
+        out["auto_ratio"] = out["auto_tok_s"] / out["best_tok_s"]
+        out["auto_meets_goal"] = out["auto_ratio"] >= AUTO_GOAL
+    return out
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Target verify seconds = a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer; the draft
+    costs draft_s_per_token per drafted token; each drafted token is accepted with probability acceptance."""
+    a: float
+    b: float
+    c: float
+    d: float
+    draft_s_per_token: float
+    acceptance: float
+    n_steps: int
+    rms_residual_s: float
+
+    def target_s(self, pages, streamed_pages, width):
+        return self.a + self.b * streamed_pages + self.c * (width - 1) + self.d * pages
+
+    def tok_s(self, pages, streamed_pages, draft: bool, n_draft: int = 0):
+        """Predicted decode tokens/s (numpy arrays broadcast)."""
+        if not draft or n_draft == 0:
+            return 1.0 / self.target_s(pages, streamed_pages, 1)
+        al = self.acceptance
+        kept = n_draft + 1 if al >= 1 else (1 - al ** (n_draft + 1)) / (1 - al)  # tokens per verify round
+        return kept / (self.target_s(pages, streamed_pages, n_draft + 1) + n_draft * self.draft_s_per_token)
+
+
+def fit_cost_model(steps: pd.DataFrame) -> CostModel:
+    """Least-squares fit of the target verify time (step_s - draft_s); draft time and acceptance pooled."""
+    require(steps, STEP_COLUMNS, "steps.csv")
+    s = steps[list(STEP_COLUMNS)].astype(float).dropna()
+    X = np.column_stack([np.ones(len(s)), s["streamed_pages"], s["verify_width"] - 1, s["pages_per_layer"]])
+    y = (s["step_s"] - s["draft_s"]).to_numpy()
+    coef, _, rank, _ = np.linalg.lstsq(X, y, rcond=None)
+    if rank < 4:
+        flat = [n for n in ("streamed_pages", "verify_width", "pages_per_layer") if s[n].nunique() < 2]
+        raise ValueError(f"steps.csv ({len(s)} complete steps) cannot separate the cost terms: "
+                         f"{'constant ' + str(flat) if flat else 'collinear streamed_pages / pages_per_layer'}; "
+                         f"the study needs contexts below and above the capacities")
+    drafting = s[s["drafted"] > 0]
+    n = drafting["drafted"].sum()
+    return CostModel(*map(float, coef), draft_s_per_token=drafting["draft_s"].sum() / n if n else math.nan,
+                     acceptance=drafting["accepted"].sum() / n if n else math.nan, n_steps=len(s),
+                     rms_residual_s=float(np.sqrt(np.mean((X @ coef - y) ** 2))))
+
+
+def predicted_crossover(model: CostModel, capacity_with: float, capacity_without: float, n_draft: int,
+                        contexts, eject_pages: float | None = None) -> tuple[pd.DataFrame, dict]:
+    """Keep (draft always) vs eject (draft until pages > eject_pages, default capacity_with, then plain
+    decoding with capacity_without resident pages) predicted tok/s per context, and the crossover."""
+    eject_pages = capacity_with if eject_pages is None else eject_pages
+    if math.isnan(model.acceptance) or n_draft < 1:
+        raise ValueError(f"no drafted steps to predict from (acceptance {model.acceptance}, n_draft {n_draft})")
+
+    def curves(c):
+        pages = np.asarray(c, float) / PAGE  # continuous pages: the crossover is a fractional page count
+        keep = model.tok_s(pages, np.maximum(0, pages - capacity_with), True, n_draft)
+        plain = model.tok_s(pages, np.maximum(0, pages - capacity_without), False)
+        return keep, np.where(pages > eject_pages, plain, keep)
+
+    ctx = np.unique(np.asarray(contexts, float))
+    keep, eject = curves(ctx)
+    table = pd.DataFrame(dict(context=ctx, pages_per_layer=ctx / PAGE, keep_tok_s=keep, eject_tok_s=eject))
+    info = dict(n_draft=n_draft, capacity_with_draft=capacity_with, capacity_without_draft=capacity_without,
+                eject_pages=eject_pages)
+    found = _locate("keep", "eject", ctx, keep - eject, eject_pages * PAGE)
+    if found["context_tokens"] is None:
+        return table, info | found
+    lo, hi = found["bracket_tokens"]
+    for _ in range(60):  # tok/s is not linear in context: bisect past the grid's interpolation
+        mid = (lo + hi) / 2
+        k, e = curves(mid)
+        lo, hi = (mid, hi) if k - e > 0 else (lo, mid)
+    x = (lo + hi) / 2
+    return table, info | found | dict(context_tokens=x, pages_per_layer=x / PAGE)
+
+
+def analyze(runs: pd.DataFrame, steps: pd.DataFrame | None, keep: str = "keep", eject: str = "onset",
+            n_boot: int = 1000, seed: int = 0) -> dict:
+    """Measured crossover, the cost model's prediction (or why there is none) and their relative error."""
+    measured = crossover(runs, keep, eject, n_boot, seed)
+    result = dict(measured=measured, predicted=None, cost_model=None, relative_error=None,
+                  goal=f"relative error <= {PREDICTION_GOAL}", within_goal=None)
+    if steps is None:
+        result["predicted"] = dict(context_tokens=None, reason="no steps.csv in the study")
+        return result
+    try:
+        require(runs, ("capacity_with_draft", "capacity_without_draft"), "runs.csv")
+        model = fit_cost_model(steps)
+        widths = steps.loc[steps["drafted"] > 0, "verify_width"]
+        n_draft = int(round(widths.median() - 1)) if len(widths) else 0
+        top = 4 * int(runs["context"].max())  # past the measured range too: where keep still wins there
+        _, predicted = predicted_crossover(model, float(runs["capacity_with_draft"].median()),
+                                           float(runs["capacity_without_draft"].median()), n_draft,
+                                           np.arange(PAGE, top + PAGE, PAGE), eject_threshold(runs, eject) / PAGE)
+        x = predicted["context_tokens"]
+        predicted["extrapolated"] = x is not None and x > runs["context"].max()
+        result |= dict(predicted=predicted, cost_model=asdict(model))
+    except ValueError as e:
+        result["predicted"] = dict(context_tokens=None, reason=str(e))
+        return result
+    m, p = measured["context_tokens"], predicted["context_tokens"]
+    if m is not None and p is not None:
+        result["relative_error"] = abs(p - m) / m
+        result["within_goal"] = result["relative_error"] <= PREDICTION_GOAL
+    return result
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (np.integer, np.floating, np.bool_)):
+        v = v.item()
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def describe(side: dict) -> str:
+    if side.get("context_tokens") is None:
+        return f"none ({side.get('reason')})"
+    s = f"{side['context_tokens']:.0f} tokens ({side['pages_per_layer']:.1f} pages/layer)"
+    if side.get("ci_tokens") and side["ci_tokens"][0] is not None:
+        lo, mid, hi = side["ci_tokens"]
+        s += f", 5/50/95%: {lo:.0f} / {mid:.0f} / {hi:.0f} tokens [{side['ci_method']}]"
+    return s
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("study", type=Path, help="results/<study> holding runs.csv and steps.csv")
+    ap.add_argument("--keep", default="keep")
+    ap.add_argument("--eject", default="onset")
+    ap.add_argument("--n-boot", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    runs, steps = read_study(args.study)
+    table, best = decode_table(runs), best_threshold(runs)
+    result = _jsonable(analyze(runs, steps, args.keep, args.eject, args.n_boot, args.seed))
+    table.to_csv(args.study / "decode_table.csv", index=False)
+    best.to_csv(args.study / "best_threshold.csv", index=False)
+    (args.study / "crossover.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"decode tok/s per arm and context ({args.study})\n{table.to_string(index=False, float_format='%.2f')}\n")
+    print(f"best fixed threshold per context\n{best.to_string(index=False, float_format='%.3f')}\n")
+    print(f"crossover {args.keep} -> {args.eject}")
+    print(f"  measured:  {describe(result['measured'])}")
+    print(f"  predicted: {describe(result['predicted'])}")
+    if result["relative_error"] is not None:
+        print(f"  relative error {result['relative_error']:.1%} (goal <= {PREDICTION_GOAL:.0%})")
+    print(f"wrote decode_table.csv, best_threshold.csv, crossover.json in {args.study}")
+
+
+if __name__ == "__main__":
+    main()

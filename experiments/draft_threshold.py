@@ -1,0 +1,201 @@
+"""Draft-threshold study: decode speed per eject arm and context, one Hydra cell per run.
+
+    python -m experiments.draft_threshold --multirun experiment=draft_threshold_cpu
+
+A cell is (arm, context, rep): the prompt is ``context`` tokens of source code (Python
+standard-library modules) followed by a review instruction, in the model's chat template;
+then ``max_new_tokens`` at the configured sampling (T = 0 in the studies). Arms:
+
+- ``none``: no speculation;            - ``keep``: the draft is never ejected;
+- ``onset``: eject at the streaming onset; - ``pages<N>``: eject above N pages per layer;
+- ``auto``: the goodput-measuring policy;  - ``always``: eject at the first batch.
+
+Each cell appends one row to ``<results>/<study>/runs.csv`` (full resolved config and
+provenance) and writes its per-step records to ``steps/<run_id>.csv``; a cell whose row exists
+is skipped, so a killed sweep resumes where it stopped and loses no finished row. When the
+sweep ends, ``Analyze`` gathers ``steps.csv`` and runs ``experiments.crossover`` and
+``experiments.plot_draft_thresholds`` over the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import hydra
+import pandas as pd
+import torch
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from kvstream.config import GenerateConfig, PolicyConfig, quote_free_text, to_typed
+from kvstream.loader import open_gguf
+from kvstream.model import load_model
+from kvstream.perplexity import stdlib_text
+from kvstream.registry import MODELS, resolve_model
+from kvstream.runner import run_decode
+from kvstream.tokenizer import Tokenizer
+
+ARMS = ("none", "keep", "onset", "auto", "always", "pages<N>")
+
+
+@dataclass
+class StudyConfig(GenerateConfig):
+    study: str = "draft_threshold"
+    arm: str = "onset"
+    context: int = 1024        # prompt tokens: source code + the review instruction
+    rep: int = 0
+    instruction: str = "Review the code above: point out bugs, unclear names and missing tests."
+    results: str = "results"
+    progress: bool = True
+
+
+def arm_config(cfg: StudyConfig) -> StudyConfig:
+    """The run an arm stands for: speculation and eject policy set from the arm's name."""
+    a, p = cfg.arm, cfg.policy
+    if a == "none":
+        return replace(cfg, spec=replace(cfg.spec, type="none"))
+    if a.startswith("pages") and a[5:].isdigit():
+        return replace(cfg, policy=replace(p, eject="keep_pages", keep_pages=int(a[5:])))
+    eject = {"keep": "never", "onset": "onset", "auto": "auto", "always": "always"}.get(a)
+    if eject is None:
+        raise ValueError(f"arm={a!r}; choose one of {', '.join(ARMS)}")
+    return replace(cfg, policy=replace(p, eject=eject))
+
+
+def review_prompt(tok: Tokenizer, n_tokens: int, instruction: str) -> list[int]:
+    """Exactly ``n_tokens`` tokens: chat template around source code cut to fit + the instruction."""
+    marker = "\x00CODE\x00"
+    pre, post = tok.apply_chat_template([{"role": "user", "content": marker + "\n\n" + instruction}],
+                                        add_generation_prompt=True).split(marker)
+    head, tail = tok.encode(pre), tok.encode(post)
+    room = n_tokens - len(head) - len(tail)
+    if room < 1:
+        raise ValueError(f"context={n_tokens} tokens leaves no room for code ({len(head) + len(tail)} go to the "
+                         "chat template and the instruction)")
+    code = tok.encode(stdlib_text())
+    code = (code * (room // len(code) + 1))[:room]  # long contexts wrap around the text
+    return head + code + tail
+
+
+_MODELS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one load per sweep process
+
+
+def _load(cfg: StudyConfig):
+    key = (cfg.model.source, cfg.hardware.dtype, cfg.hardware.device)
+    if key not in _MODELS:
+        path = resolve_model(cfg.model.source)
+        reader = open_gguf(path)
+        sha = MODELS[cfg.model.source].sha256 if cfg.model.source in MODELS else _sha256(path)
+        _MODELS[key] = (load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device), Tokenizer.from_gguf(reader),
+                        sha)
+    return _MODELS[key]
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def provenance() -> dict:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+    import triton
+    return {"git_commit": git("rev-parse", "HEAD") or "unknown", "git_dirty": bool(git("status", "--porcelain")),
+            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+
+
+def run_cell(cfg: StudyConfig) -> dict | None:
+    """Run one cell unless its row exists; returns the row (None: skipped)."""
+    out = Path(cfg.results) / cfg.study
+    run_cfg = arm_config(cfg)
+    resolved = asdict(run_cfg)
+    resolved.pop("progress")
+    run_id = hashlib.sha1(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    runs = out / "runs.csv"
+    if runs.exists() and run_id in set(pd.read_csv(runs, usecols=["run_id"], dtype=str)["run_id"]):
+        print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep}: done before ({run_id}), skipped")
+        return None
+    model, tok, sha = _load(run_cfg)
+    prompt = review_prompt(tok, cfg.context, cfg.instruction)
+    print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep} ...", flush=True)
+    r = run_decode(run_cfg, model, tok, prompt, progress=cfg.progress)
+    g, c = r.generation, r.control
+    steps = pd.DataFrame([s.row() for s in g.records]).assign(run_id=run_id)
+    (out / "steps").mkdir(parents=True, exist_ok=True)
+    steps.to_csv(out / "steps" / f"{run_id}.csv", index=False)
+    stats = r.chain.stats() if r.chain else {}
+    drafted = sum(s.drafted_tokens for s in stats.values())
+    row = {
+        "run_id": run_id, "study": cfg.study, "arm": _arm_label(cfg.arm), "policy": run_cfg.policy.eject,
+        "keep_pages": run_cfg.policy.keep_pages if run_cfg.policy.eject == "keep_pages" else None,
+        "spec_type": run_cfg.spec.type, "context": cfg.context, "rep": cfg.rep, "new_tokens": g.stats.new_tokens,
+        "decode_tok_s": g.stats.decode_tok_s, "prefill_tok_s": g.stats.prefill_tok_s,
+        "capacity_with_draft": c.capacity_with if c else None,
+        "capacity_without_draft": c.capacity_without if c else r.cache.capacity,
+        "draft_mib": c.bytes / 2**20 if c else 0.0, "ejects": c.count("eject") if c else 0,
+        "reenables": c.count("reenable") if c else 0,
+        "acceptance_rate": sum(s.accepted_tokens for s in stats.values()) / drafted if drafted else None,
+        "draft_time_share": float(steps["draft_s"].sum() / steps["step_s"].sum()) if len(steps) else None,
+        "synthetic_acceptance": run_cfg.spec.synthetic_acceptance,
+        "arena_mib": run_cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
+        "model": run_cfg.model.source, "model_sha256": sha,
+        "draft_model": run_cfg.spec.draft.source if c else None, "device": run_cfg.hardware.device,
+        "dtype": run_cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],
+        **provenance(), "config": json.dumps(resolved, sort_keys=True, default=str),
+    }
+    pd.DataFrame([row]).to_csv(runs, mode="a", header=not runs.exists(), index=False)  # the row marks it done
+    print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context}: {g.stats.line()}", flush=True)
+    return row
+
+
+def _arm_label(arm: str) -> str:
+    return f"keep_pages={arm[5:]}" if arm.startswith("pages") else arm
+
+
+class Analyze(Callback):
+    """After a sweep: gather steps.csv, then the crossover tables and the figure."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        analyze(Path(config.results) / config.study)
+
+
+def analyze(study: Path) -> None:
+    from experiments import crossover, plot_draft_thresholds
+
+    files = sorted((study / "steps").glob("*.csv"))
+    if not (study / "runs.csv").exists() or not files:
+        print(f"no finished cells in {study}: nothing to analyse")
+        return
+    pd.concat([pd.read_csv(f) for f in files]).to_csv(study / "steps.csv", index=False)
+    try:
+        crossover.main([str(study)])
+        print("figure:", plot_draft_thresholds.plot(study))
+    except ValueError as e:  # e.g. a sweep without both a keep and an eject arm
+        print(f"analysis of {study} incomplete: {e}")
+
+
+@hydra.main(version_base=None, config_path="pkg://conf", config_name="draft_threshold")
+def _main(cfg: DictConfig) -> None:
+    run_cell(to_typed(cfg, StudyConfig))
+
+
+def main() -> None:
+    quote_free_text(sys.argv, ("instruction", "spec.type"))
+    _main()
+
+
+if __name__ == "__main__":
+    main()

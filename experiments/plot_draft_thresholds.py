@@ -1,0 +1,85 @@
+"""Draft-threshold curves: decode tok/s vs context per arm, with the onset and the keep/eject crossover.
+
+    python -m experiments.plot_draft_thresholds results/<study> [--keep keep] [--eject onset]
+
+Reads the study's ``runs.csv`` (and ``steps.csv`` for the predicted crossover) and writes
+``draft_thresholds.png`` beside them: one line per arm (mean over reps, error bars = std), a dashed
+line at the streaming onset (median capacity_with_draft * 256 tokens), a dotted one at the measured
+crossover and a dash-dotted one at the cost model's prediction (see experiments/crossover.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from experiments.crossover import PAGE, analyze, arm_order, decode_table, read_study  # noqa: E402
+
+
+def _values(runs, column) -> str:
+    return ", ".join(str(v) for v in runs[column].dropna().unique()) if column in runs else ""
+
+
+def title(runs) -> str:
+    """Model, draft and device from runs.csv; synthetic acceptance named, since such runs measure no real draft."""
+    model, draft, device = (_values(runs, c) for c in ("model", "draft_model", "device"))
+    t = "decode tok/s vs context" + (f": {model}" if model else "") + (f" + draft {draft}" if draft else "")
+    t += f" on {device}" if device else ""
+    alpha = _values(runs, "synthetic_acceptance")
+    return t + (f"\nsynthetic acceptance α={alpha}" if alpha else "")
+
+
+def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
+    study = Path(study_dir)
+    runs, steps = read_study(study)
+    table = decode_table(runs)
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for arm in arm_order(table["arm"]):
+        t = table[table["arm"] == arm]
+        ax.errorbar(t["context"], t["mean"], yerr=t["std"].fillna(0), marker="o", ms=4, capsize=3, label=arm)
+    if "capacity_with_draft" in runs and runs["capacity_with_draft"].notna().any():
+        onset = float(runs["capacity_with_draft"].median()) * PAGE
+        ax.axvline(onset, color="grey", ls="--", label=f"onset {onset:.0f} tokens")
+    try:
+        result = analyze(runs, steps, keep, eject, n_boot=1000, seed=0)
+    except ValueError as e:  # no keep/eject pair: the curves alone are still worth a figure
+        print(f"no crossover lines: {e}")
+        result = dict(measured={}, predicted={})
+    for side, ls in (("measured", ":"), ("predicted", "-.")):
+        x = (result[side] or {}).get("context_tokens")
+        if x is not None:
+            ax.axvline(x, color="black", ls=ls, label=f"{side} crossover {x:.0f} tokens ({x / PAGE:.1f} pages)")
+    ax.set_xscale("log", base=2)
+    top = ax.secondary_xaxis("top", functions=(lambda x: x / PAGE, lambda p: p * PAGE))
+    top.set_xlabel("pages per layer")
+    for ticks in (top.xaxis.set_major_formatter, top.xaxis.set_minor_formatter):
+        ticks(FuncFormatter(lambda v, _: f"{v:g}"))  # 12, not 1.2 x 10^1
+    ax.set_xlabel("context (prompt tokens)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title(runs), fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = study / "draft_thresholds.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("study", type=Path, help="results/<study> holding runs.csv (and steps.csv)")
+    ap.add_argument("--keep", default="keep")
+    ap.add_argument("--eject", default="onset")
+    args = ap.parse_args(argv)
+    print(f"wrote {plot(args.study, args.keep, args.eject)}")
+
+
+if __name__ == "__main__":
+    main()

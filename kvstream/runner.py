@@ -1,0 +1,95 @@
+"""One decode run from a typed config: cache, arena, speculator chain, policies, engine.
+
+Shared by ``kvstream-generate`` and the experiments, so a sweep cell runs exactly what the
+command line runs. Loaded models are passed in (a sweep loads them once); draft weights are
+loaded on first use and kept (``DraftHosts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies import chain_order, draft_length, eject
+
+from .arena import ALIGN
+from .cache_factory import make_cache, paged_bytes, reserve_slab
+from .config import GenerateConfig, PolicyConfig
+from .draft_control import DraftControl
+from .generate import Generation, generate
+from .registry import resolve_model
+from .sampling import Sampler
+from .speculative import speculative_generate
+from .speculators.base import Chain, build_chain
+from .speculators.draft import load_host
+from .tokenizer import Tokenizer
+
+
+class DraftHosts(dict):
+    """Draft weights on the host by (source, dtype, device), loaded once per process."""
+
+    def get_host(self, source: str, tok: Tokenizer, dtype, device):
+        key = (source, str(dtype), str(device))
+        if key not in self:
+            self[key] = load_host(resolve_model(source), tok.token_texts, dtype, device)
+        return self[key]
+
+
+DRAFT_HOSTS = DraftHosts()
+
+
+@dataclass
+class RunResult:
+    generation: Generation
+    chain: Chain | None
+    control: DraftControl | None
+    cache: object
+
+
+def eject_policy(p: PolicyConfig):
+    return eject.build(p.eject, keep_pages=p.keep_pages, reenable_margin=p.reenable_margin,
+                       stable_decodes=p.stable_decodes, probe_pages=p.probe_pages, settle=p.settle, margin=p.margin)
+
+
+def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *, on_token=None,
+               progress: bool = False, hosts: DraftHosts = DRAFT_HOSTS) -> RunResult:
+    """Decode ``cfg.max_new_tokens`` after ``prompt`` as ``cfg`` says."""
+    spec, max_tokens = cfg.spec, len(prompt) + cfg.max_new_tokens
+    speculating = spec.type != "none"
+    stop = () if cfg.ignore_eos else tok.eog_ids
+    sampler = Sampler(cfg.sampling, cfg.hardware.device)
+    options = {}
+    if speculating and "draft" in spec.type.replace("_", "-").split(","):
+        d = spec.draft
+        options["draft"] = dict(host=hosts.get_host(d.source, tok, model.dtype, model.device), device=model.device,
+                                max_tokens=max_tokens, type_k=d.type_k, type_v=d.type_v, window=d.window,
+                                n_min=d.n_min, p_min=d.p_min, chunk=d.chunk, sampling=cfg.sampling)
+    chain = build_chain(spec.type, options) if speculating else None
+    cache = make_cache(cfg.cache, cfg.arena, model, max_tokens, cfg.prefill_chunk,
+                       verify_width=1 + spec.n_max if speculating else 1,
+                       pinned_bytes=_draft_bytes_estimate(options.get("draft")))
+    if not speculating:
+        return RunResult(generate(model, cache, prompt, cfg.max_new_tokens, sampler, stop_ids=stop,
+                                  prefill_chunk=cfg.prefill_chunk, on_token=on_token), None, None, cache)
+    control = None
+    if "draft" in options:
+        control = DraftControl(chain.get("draft"), cache, eject_policy(cfg.policy))
+    p = cfg.policy
+    g = speculative_generate(
+        model, cache, prompt, cfg.max_new_tokens, sampler, chain, n_max=spec.n_max, stop_ids=stop,
+        prefill_chunk=cfg.prefill_chunk, on_token=on_token, synthetic_acceptance=spec.synthetic_acceptance,
+        length_policy=draft_length.build(p.draft_length, n=spec.n_max) if p.draft_length == "fixed"
+        else draft_length.build(p.draft_length),
+        order_policy=chain_order.build(p.chain_order), control=control, progress=progress)
+    return RunResult(g, chain, control, cache)
+
+
+def _draft_bytes_estimate(options: dict | None) -> int:
+    """Bytes a draft pins (weights + KV + compute slab), so that ``arena.mib=auto`` leaves the
+    target every page. The slab is the shape estimate (the host copy is on the CPU), doubled on
+    CUDA where the draft measures its real peak at pin time (allocator rounding included)."""
+    if options is None:
+        return 0
+    host = options["host"]
+    slab = reserve_slab(host, options["chunk"]) * (2 if options["device"].type == "cuda" else 1)
+    kv_tokens = options["window"] or options["max_tokens"] + 16
+    return host.nbytes + ALIGN * len(host.tensors()) + paged_bytes(host.cfg, options["type_k"], options["type_v"], kv_tokens, slab)

@@ -1,0 +1,207 @@
+"""Crossover analysis and draft-threshold plot on synthetic studies with known answers (CPU, no model).
+
+runs: keep = 100 - 2*pages tok/s; onset = keep up to the onset (10 pages), 60 flat above it; so
+keep - onset = 40 - 2*pages and the crossover is at 20 pages = 5120 tokens. steps: noiseless step
+times from known cost coefficients.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from experiments.crossover import (PAGE, CostModel, analyze, best_threshold, crossover, decode_table,
+                                   fit_cost_model, main, predicted_crossover)
+from experiments.plot_draft_thresholds import plot, title
+
+CAP_WITH, CAP_WITHOUT = 10, 40  # pages/layer that fit with / without the draft
+PAGES = [4, 8, 12, 18, 26, 32]  # 18 and 26 bracket the crossover at 20, asymmetrically
+TRUE = CostModel(a=0.020, b=0.004, c=0.001, d=0.0001, draft_s_per_token=0.002, acceptance=0.75, n_steps=0,
+                 rms_residual_s=0.0)
+N_DRAFT = 4
+
+
+def tok_s(arm: str, p: float, keep_slope: float = 2.0) -> float:
+    keep = 100 - keep_slope * p
+    return {"none": 50.0, "keep": keep, "onset": keep if p <= CAP_WITH else 60.0,
+            "keep_pages=20": keep - 0.5 if p <= 20 else 61.0,
+            "auto": 0.97 * max(keep, keep if p <= CAP_WITH else 60.0, keep - 0.5 if p <= 20 else 61.0)}[arm]
+
+
+def make_runs(arms=("none", "keep", "onset", "keep_pages=20", "auto"), reps=3, keep_slope=2.0, alpha=None):
+    rows = []
+    for arm in arms:
+        for p in PAGES:
+            for r in range(reps):
+                # offsets -1, 0, +1 keep every mean exact while giving the bootstrap something to resample
+                off = (r - 1.0) if reps == 3 else 0.0
+                rows.append(dict(run_id=f"{arm}-{p}-{r}", arm=arm, policy=arm, keep_pages=None, context=p * PAGE,
+                                 rep=r, new_tokens=64, decode_tok_s=tok_s(arm, p, keep_slope) + off,
+                                 prefill_tok_s=1000.0, capacity_with_draft=CAP_WITH,
+                                 capacity_without_draft=CAP_WITHOUT, ejects=0, reenables=0, acceptance_rate=0.7,
+                                 synthetic_acceptance=alpha, arena_mib=512, model="qwen-1.5b",
+                                 draft_model="qwen-0.5b", device="cpu", git_commit="abc"))
+    return pd.DataFrame(rows)
+
+
+def make_steps(model: CostModel = TRUE) -> pd.DataFrame:
+    """Noiseless steps: with the draft at widths 5 (mostly: the study's draft length) and 9, accepting
+    3/4 of the drafted tokens (acceptance exactly model.acceptance), and without it, over contexts on
+    both sides of the capacities."""
+    rows = []
+    for p in range(1, 61, 3):
+        for drafted, cap in ((4, CAP_WITH), (4, CAP_WITH), (8, CAP_WITH), (0, CAP_WITHOUT)):
+            streamed = max(0, p - cap)
+            draft_s = drafted * model.draft_s_per_token
+            rows.append(dict(run_id=f"r{drafted}", step=p, context=p * PAGE, pages_per_layer=p,
+                             resident_pages=p - streamed, streamed_pages=streamed, rounds=1, h2d_bytes=0,
+                             d2h_bytes=0, new_tokens=1, verify_width=1 + drafted, drafted=drafted,
+                             accepted=drafted * 3 // 4, draft_s=draft_s, draft_active=drafted > 0, speculator="",
+                             step_s=model.target_s(p, streamed, 1 + drafted) + draft_s))
+    return pd.DataFrame(rows)
+
+
+def analytic_crossover_pages(m: CostModel, n: int) -> float:
+    """keep = T / (a + b(p - cw) + c n + d p + n ds), eject = 1 / (a + d p) for cw < p <= cw': equal at p."""
+    T = (1 - m.acceptance ** (n + 1)) / (1 - m.acceptance)
+    p = (m.a * T - m.a + m.b * CAP_WITH - m.c * n - n * m.draft_s_per_token) / (m.b + m.d - m.d * T)
+    assert CAP_WITH < p <= CAP_WITHOUT  # the closed form holds only in this window
+    return p
+
+
+def write_study(tmp_path: Path, runs: pd.DataFrame, steps: pd.DataFrame | None = None) -> Path:
+    runs.to_csv(tmp_path / "runs.csv", index=False)
+    if steps is not None:
+        steps.to_csv(tmp_path / "steps.csv", index=False)
+    return tmp_path
+
+
+def test_decode_table_mean_std_n():
+    t = decode_table(make_runs())
+    row = t[(t.arm == "keep") & (t.context == 18 * PAGE)].iloc[0]
+    assert (row["mean"], row["std"], row["n"], row["pages_per_layer"]) == (64.0, 1.0, 3, 18)
+    assert list(t.arm.unique()) == ["none", "keep", "onset", "keep_pages=20", "auto"]
+
+
+def test_crossover_interpolates_and_bootstrap_contains_it(tmp_path):
+    runs = pd.read_csv(write_study(tmp_path, make_runs()) / "runs.csv")
+    c = crossover(runs)
+    # both arms are linear in context between 18 and 26 pages, so the interpolation is exact: float rounding only
+    assert c["context_tokens"] == pytest.approx(20 * PAGE, abs=1e-9)
+    assert c["pages_per_layer"] == pytest.approx(20.0, abs=1e-9)
+    assert c["bracket_tokens"] == [18 * PAGE, 26 * PAGE]
+    lo, mid, hi = c["ci_tokens"]
+    assert 18 * PAGE <= lo <= 20 * PAGE <= hi <= 26 * PAGE and lo < mid < hi
+    assert c["draws_without_crossing"] == 0.0
+    assert crossover(runs)["ci_tokens"] == c["ci_tokens"]  # seeded
+
+
+def test_single_rep_interval_is_the_bracket():
+    c = crossover(make_runs(reps=1))
+    assert c["ci_tokens"] == [18 * PAGE, pytest.approx(20 * PAGE), 26 * PAGE]
+    assert "bracketing" in c["ci_method"]
+
+
+def test_noise_below_the_onset_is_not_a_crossover():
+    runs = make_runs(arms=("keep", "onset"), reps=1)
+    below = (runs.arm == "onset") & (runs.context == 4 * PAGE)  # keep > onset at 4 pages, equal at 8: noise
+    runs.loc[below, "decode_tok_s"] -= 3
+    assert crossover(runs)["context_tokens"] == pytest.approx(20 * PAGE)
+
+
+@pytest.mark.parametrize("keep_slope, winner, words", [(1.0, "keep", "keep is faster"),
+                                                       (4.0, "onset", "onset is as fast or faster")])
+def test_no_sign_change_says_who_wins(keep_slope, winner, words):
+    # slope 1: keep = 100 - p > 60 up to 32 pages; slope 4: keep = 100 - 4p < 60 above 10 pages
+    c = crossover(make_runs(keep_slope=keep_slope))
+    assert c["context_tokens"] is None and c["winner"] == winner and words in c["reason"]
+
+
+def test_best_threshold_picks_the_best_fixed_arm_and_auto_ratio():
+    b = best_threshold(make_runs())
+    expected = {4: "keep", 8: "keep", 12: "keep", 18: "keep", 26: "keep_pages=20", 32: "keep_pages=20"}
+    assert dict(zip(b.pages_per_layer, b.best_arm)) == expected  # ties at 4, 8 pages go to keep
+    assert b.best_tok_s.tolist() == [tok_s("keep", p) for p in PAGES[:4]] + [61.0, 61.0]
+    assert np.allclose(b.auto_ratio, 0.97, atol=1e-12) and b.auto_meets_goal.all()
+    assert (b.none_tok_s == 50.0).all()
+
+
+def test_missing_arms_and_columns_are_named():
+    with pytest.raises(ValueError, match="no keep/eject arms found"):
+        best_threshold(make_runs(arms=("none", "auto")))
+    with pytest.raises(ValueError, match="'onset'"):
+        crossover(make_runs(arms=("keep",)))
+    with pytest.raises(ValueError, match="decode_tok_s"):
+        crossover(make_runs().drop(columns=["decode_tok_s"]))
+    with pytest.raises(ValueError, match="draft_s"):
+        fit_cost_model(make_steps().drop(columns=["draft_s"]))
+    with pytest.raises(ValueError, match=r"constant \['streamed_pages'\]"):  # b cannot be fitted: nothing streams
+        fit_cost_model(make_steps().assign(streamed_pages=0))
+
+
+def test_cost_model_recovers_known_coefficients():
+    m = fit_cost_model(make_steps())
+    # noiseless, well-conditioned least squares: only float64 rounding separates fit and truth
+    for k in ("a", "b", "c", "d", "draft_s_per_token", "acceptance"):
+        assert getattr(m, k) == pytest.approx(getattr(TRUE, k), rel=1e-9, abs=1e-12), k
+    assert m.rms_residual_s < 1e-12
+    assert m.tok_s(5, 0, False) == pytest.approx(1 / (0.020 + 0.0005))
+    kept = (1 - 0.75 ** 5) / 0.25
+    assert m.tok_s(5, 0, True, 4) == pytest.approx(kept / (0.020 + 0.004 + 0.0005 + 0.008))
+
+
+def test_predicted_crossover_matches_analytic():
+    m = fit_cost_model(make_steps())
+    table, p = predicted_crossover(m, CAP_WITH, CAP_WITHOUT, N_DRAFT, np.arange(PAGE, 80 * PAGE, PAGE))
+    # bisection on the continuous model: 60 halvings of a one-page bracket, so float rounding only
+    assert p["pages_per_layer"] == pytest.approx(analytic_crossover_pages(TRUE, N_DRAFT), rel=1e-9)
+    assert p["keep_wins_again_tokens"] is not None  # once both arms stream, keep amortises it over more tokens
+    assert (table.keep_tok_s == table.eject_tok_s)[table.pages_per_layer <= CAP_WITH].all()
+
+
+def test_cli_writes_tables_and_json(tmp_path, capsys):
+    study = write_study(tmp_path, make_runs(), make_steps())
+    main([str(study)])
+    out = json.loads((study / "crossover.json").read_text())
+    assert out["measured"]["context_tokens"] == pytest.approx(20 * PAGE)
+    pred = analytic_crossover_pages(TRUE, N_DRAFT) * PAGE
+    assert out["predicted"]["n_draft"] == N_DRAFT  # the median draft length of the steps
+    assert out["predicted"]["context_tokens"] == pytest.approx(pred, rel=1e-9)
+    assert out["relative_error"] == pytest.approx(abs(pred - 20 * PAGE) / (20 * PAGE), rel=1e-9)
+    assert out["cost_model"]["b"] == pytest.approx(TRUE.b)
+    assert len(pd.read_csv(study / "decode_table.csv")) == 5 * len(PAGES)
+    assert len(pd.read_csv(study / "best_threshold.csv")) == len(PAGES)
+    assert "measured:" in capsys.readouterr().out
+
+
+def test_without_steps_the_prediction_says_why():
+    r = analyze(make_runs(), None)
+    assert r["predicted"]["context_tokens"] is None and "steps.csv" in r["predicted"]["reason"]
+
+
+def test_cli_as_module(tmp_path):
+    study = write_study(tmp_path, make_runs(reps=1), make_steps())
+    subprocess.run([sys.executable, "-m", "experiments.crossover", str(study)], check=True, capture_output=True,
+                   cwd=Path(__file__).parents[1])
+    assert (study / "crossover.json").is_file()
+
+
+def test_plot_writes_png(tmp_path):
+    study = write_study(tmp_path, make_runs(alpha=0.7), make_steps())
+    png = plot(study)
+    assert png == study / "draft_thresholds.png" and png.stat().st_size > 10_000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = pd.read_csv(study / "runs.csv")
+    assert "synthetic acceptance α=0.7" in title(runs) and "qwen-1.5b + draft qwen-0.5b on cpu" in title(runs)
+    assert "synthetic" not in title(make_runs())
+
+
+def test_plot_without_keep_or_steps(tmp_path):
+    study = write_study(tmp_path, make_runs(arms=("none", "auto")))
+    assert plot(study).stat().st_size > 0

@@ -1,0 +1,104 @@
+"""The study workflow on tiny models: cells write rows and steps, a re-run skips finished cells,
+the analysis writes its tables and figure; every config in conf/ composes into typed objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_module
+
+import conf
+from experiments.draft_threshold import StudyConfig, analyze, arm_config, review_prompt, run_cell
+from kvstream.arena import MIB
+from kvstream.cli.ppl import PplConfig
+from kvstream.config import GenerateConfig, to_typed
+from kvstream.tokenizer import Tokenizer
+from test_draft import DRAFT_SPEC
+from test_paged_cache import SPEC
+from tiny_gguf import write_tiny_model
+
+CONF = Path(conf.__file__).parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("study")
+    return write_tiny_model(d / "t.gguf", SPEC), write_tiny_model(d / "d.gguf", DRAFT_SPEC)
+
+
+def study_cfg(tiny, tmp_path, **over) -> StudyConfig:
+    overrides = [f"model.source={tiny[0]}", f"spec.draft.source={tiny[1]}", "hardware=cpu", f"results={tmp_path}",
+                 "study=t", "context=700", "max_new_tokens=24", "prefill_chunk=16", "spec.draft.chunk=16",
+                 "progress=false", "arena.mib=1.42", "cache.ring_pages=4", "policy.stable_decodes=0",
+                 *[f"{k}={v}" for k, v in over.items()]]
+    with initialize_config_module("conf", version_base=None):
+        return to_typed(compose("draft_threshold", overrides=overrides), StudyConfig)
+
+
+def test_cells_write_rows_resume_and_analyse(tiny, tmp_path):
+    for arm in ("none", "keep", "onset"):
+        for context in (300, 700):
+            assert run_cell(study_cfg(tiny, tmp_path, arm=arm, context=context)) is not None
+    assert run_cell(study_cfg(tiny, tmp_path, arm="keep", context=700)) is None  # finished: skipped
+    runs = pd.read_csv(tmp_path / "t" / "runs.csv")
+    assert len(runs) == 6 and runs["run_id"].is_unique
+    assert set(runs["arm"]) == {"none", "keep", "onset"}
+    assert (runs["new_tokens"] == 24).all() and (runs["decode_tok_s"] > 0).all()
+    assert runs["git_commit"].notna().all() and runs["model_sha256"].str.len().eq(64).all()
+    keep = runs[(runs["arm"] == "keep") & (runs["context"] == 700)].iloc[0]
+    assert keep["capacity_without_draft"] > keep["capacity_with_draft"] >= 1  # the draft costs pages
+    onset = runs[(runs["arm"] == "onset") & (runs["context"] == 700)].iloc[0]
+    assert onset["ejects"] == 1  # 700 + 24 tokens = 3 pages > the draft-active capacity
+    analyze(tmp_path / "t")
+    for name in ("steps.csv", "decode_table.csv", "crossover.json", "best_threshold.csv", "draft_thresholds.png"):
+        assert (tmp_path / "t" / name).stat().st_size > 0, name
+    steps = pd.read_csv(tmp_path / "t" / "steps.csv")
+    assert set(steps["run_id"]) == set(runs["run_id"])
+
+
+def test_arms_map_to_policies(tiny, tmp_path):
+    cfg = study_cfg(tiny, tmp_path)
+    assert arm_config(study_cfg(tiny, tmp_path, arm="none")).spec.type == "none"
+    assert arm_config(study_cfg(tiny, tmp_path, arm="pages12")).policy.keep_pages == 12
+    assert arm_config(study_cfg(tiny, tmp_path, arm="keep")).policy.eject == "never"
+    with pytest.raises(ValueError, match="arm='eject'; choose one of"):
+        arm_config(study_cfg(tiny, tmp_path, arm="eject"))
+    assert cfg.policy.eject == "onset"
+
+
+def test_review_prompt_has_exactly_the_asked_tokens(tiny):
+    tok = Tokenizer.from_gguf(tiny[0])
+    ids = review_prompt(tok, 900, "Review it.")
+    assert len(ids) == 900 and tok.decode(ids).rstrip().endswith("assistant")
+    with pytest.raises(ValueError, match="context=5 tokens leaves no room"):
+        review_prompt(tok, 5, "Review it.")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "hardware", "cache", "arena", "spec", "policy"])
+def test_every_group_option_composes(group):
+    for option in _options(group):
+        if group == "hardware" and option != "cpu":
+            continue  # a CUDA device is checked at typing time; the file itself composes below
+        with initialize_config_module("conf", version_base=None):
+            cfg = compose("generate", overrides=[f"{group}={option}"])
+            typed = to_typed(cfg, GenerateConfig)
+        assert typed is not None
+
+
+@pytest.mark.parametrize("experiment", _options("experiment"))
+def test_every_experiment_composes(experiment):
+    with initialize_config_module("conf", version_base=None):
+        cfg = compose("draft_threshold", overrides=[f"experiment={experiment}", "hardware=cpu"])
+        typed = to_typed(cfg, StudyConfig)
+        grid = compose("draft_threshold", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    assert typed.study == experiment.replace("_h200", "_h200")
+    assert grid.hydra.sweeper.params, "an experiment pins its sweep grid"
+    with initialize_config_module("conf", version_base=None):
+        to_typed(compose("ppl"), PplConfig)
+        assert float(MIB) > 0
