@@ -58,3 +58,41 @@ def test_cuda_streaming_matches_resident(tmp_path):
     assert torch.equal(one, ref)
     # several rounds: partials merged in another order (fp32 softmax sums)
     assert (many - ref).abs().max() <= 1e-3 * ref.abs().max()
+
+
+def test_cuda_pinned_draft_is_lossless_and_cycles_leave_memory_flat(tmp_path):
+    """The draft's weights and KV as arena views on the device; eject / re-enable mid-run;
+    200 more cycles leave the arena accounting and the allocated device memory unchanged."""
+    import test_draft as t
+    from kvstream.arena import MIB, Arena
+    from kvstream.cache_factory import make_cache
+    from kvstream.config import ArenaConfig, CacheConfig
+    from kvstream.draft_control import DraftControl
+    from kvstream.speculative import speculative_generate
+    from kvstream.speculators.base import Chain
+    from kvstream.speculators.draft import DraftModel, load_host
+    from kvstream.tokenizer import Tokenizer
+
+    target_file, draft_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC), write_tiny_model(tmp_path / "d.gguf", t.DRAFT_SPEC)
+    m = load_model(target_file, torch.float32, "cuda")
+    host = load_host(target_file, Tokenizer.from_gguf(draft_file).token_texts, torch.float32, "cuda")
+    greedy = Sampler(SamplingParams(), "cuda")
+    new = lambda: DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK)
+    nbytes = new().pin(Arena(256 * MIB, "cuda"))
+    cache = lambda: make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(), m, 1024, t.CHUNK, 9,
+                               pinned_bytes=nbytes + MIB)
+    plain = generate(m, cache(), t.PROMPT, t.NEW, greedy, prefill_chunk=t.CHUNK).tokens
+    c, draft = cache(), new()
+    control = DraftControl(draft, c, t.Scripted(at=3, back=8))
+    g = speculative_generate(m, c, t.PROMPT, t.NEW, greedy, Chain([draft]), n_max=8, prefill_chunk=t.CHUNK,
+                             control=control)
+    assert g.tokens == plain and draft.stats.accepted_tokens > 0
+    assert [x.action for x in control.transitions] == ["eject", "reenable"]
+    torch.cuda.synchronize()
+    state, mem = (c.arena.top, list(c.arena.pinned), c.layout), torch.cuda.memory_allocated()
+    for _ in range(200):
+        c.rearrange(lambda: draft.eject(c.arena))
+        c.rearrange(lambda: draft.pin(c.arena))
+    torch.cuda.synchronize()
+    assert (c.arena.top, c.arena.pinned, c.layout) == state
+    assert torch.cuda.memory_allocated() == mem  # every draft byte lives in the arena
