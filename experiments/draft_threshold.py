@@ -33,8 +33,8 @@ import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from kvstream.config import GenerateConfig, PolicyConfig, quote_free_text, to_typed
-from kvstream.loader import open_gguf
+from kvstream.config import GenerateConfig, quote_free_text, to_typed
+from kvstream.loader import is_skeleton, open_gguf
 from kvstream.model import load_model
 from kvstream.perplexity import stdlib_text
 from kvstream.registry import MODELS, resolve_model
@@ -83,6 +83,7 @@ def review_prompt(tok: Tokenizer, n_tokens: int, instruction: str) -> list[int]:
     return head + code + tail
 
 
+_WARM: set = set()  # a warm-up decode ran in this process
 _MODELS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one load per sweep process
 
 
@@ -129,6 +130,10 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep}: done before ({run_id}), skipped")
         return None
     model, tok, sha = _load(run_cfg)
+    if model.device.type == "cuda" and not _WARM:  # compile the Triton kernels outside any timed cell
+        warm = replace(run_cfg, max_new_tokens=48)
+        run_decode(warm, model, tok, review_prompt(tok, min(cfg.context, 1024), cfg.instruction))
+        _WARM.add(True)
     prompt = review_prompt(tok, cfg.context, cfg.instruction)
     print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep} ...", flush=True)
     r = run_decode(run_cfg, model, tok, prompt, progress=cfg.progress)
@@ -139,7 +144,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     stats = r.chain.stats() if r.chain else {}
     drafted = sum(s.drafted_tokens for s in stats.values())
     row = {
-        "run_id": run_id, "study": cfg.study, "arm": _arm_label(cfg.arm), "policy": run_cfg.policy.eject,
+        "run_id": run_id, "study": cfg.study, "arm": _arm_label(run_cfg), "policy": run_cfg.policy.eject,
         "keep_pages": run_cfg.policy.keep_pages if run_cfg.policy.eject == "keep_pages" else None,
         "spec_type": run_cfg.spec.type, "context": cfg.context, "rep": cfg.rep, "new_tokens": g.stats.new_tokens,
         "decode_tok_s": g.stats.decode_tok_s, "prefill_tok_s": g.stats.prefill_tok_s,
@@ -149,7 +154,9 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "reenables": c.count("reenable") if c else 0,
         "acceptance_rate": sum(s.accepted_tokens for s in stats.values()) / drafted if drafted else None,
         "draft_time_share": float(steps["draft_s"].sum() / steps["step_s"].sum()) if len(steps) else None,
-        "synthetic_acceptance": run_cfg.spec.synthetic_acceptance,
+        "speculators": json.dumps({n: s.as_dict() for n, s in stats.items()}),  # per speculator, fixed schema
+        "synthetic_acceptance": run_cfg.spec.synthetic_acceptance, "random_weights": is_skeleton(open_gguf(
+            resolve_model(run_cfg.model.source))),
         "arena_mib": run_cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
         "model": run_cfg.model.source, "model_sha256": sha,
         "draft_model": run_cfg.spec.draft.source if c else None, "device": run_cfg.hardware.device,
@@ -161,8 +168,13 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     return row
 
 
-def _arm_label(arm: str) -> str:
-    return f"keep_pages={arm[5:]}" if arm.startswith("pages") else arm
+def _arm_label(cfg: StudyConfig) -> str:
+    """The arm as the analysis names it; a speculator chain other than the draft alone is
+    appended (``keep[ngram-simple,draft]``), so a sweep over ``spec`` gives one curve each."""
+    if cfg.spec.type == "none":
+        return "none"
+    arm = f"keep_pages={cfg.arm[5:]}" if cfg.arm.startswith("pages") else cfg.arm
+    return arm if cfg.spec.type == "draft" else f"{arm}[{cfg.spec.type}]"
 
 
 class Analyze(Callback):

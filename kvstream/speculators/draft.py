@@ -18,7 +18,9 @@ Deviations from llama.cpp, and why:
 - At T > 0 the draft samples from the target's sampling chain applied to the draft's logits
   and reports those distributions (``last_probs``) for lossless rejection sampling.
 - ``window`` > 0 bounds the draft's KV: when it is full the draft restarts on the newest
-  ``window / 2`` tokens (RoPE is relative, so the draft sees them as a whole short context).
+  ``window / 2`` tokens (RoPE is relative, so the draft sees them as a whole short context);
+  a longer catch-up (the prompt, or the tokens generated while ejected) reads only its newest
+  ``window / 2`` tokens, so a windowed draft's prefill costs at most half a window.
 """
 
 from __future__ import annotations
@@ -124,6 +126,12 @@ class DraftModel(Speculator):
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Feed ``tokens`` after ``fed``, a chunk per forward pass; the logits after the last one."""
+        if self.window and len(tokens) > self.kv_tokens // 2:  # a long catch-up: only the newest half-window counts
+            skip = len(tokens) - self.kv_tokens // 2
+            self.fed.extend(tokens[:skip])
+            self.base = len(self.fed)
+            self.cache.truncate(0)
+            tokens = tokens[skip:]
         for lo in range(0, len(tokens), self.chunk):
             piece = tokens[lo:lo + self.chunk]
             if self.cache.length + len(piece) > self.kv_tokens:  # window full: restart on the newest half
