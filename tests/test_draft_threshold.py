@@ -102,3 +102,12 @@ def test_every_experiment_composes(experiment):
     with initialize_config_module("conf", version_base=None):
         to_typed(compose("ppl"), PplConfig)
         assert float(MIB) > 0
+
+
+def test_size_arena_puts_the_onset_where_asked(tiny, tmp_path):
+    from experiments.size_arena import arena_for, capacity_with_draft
+
+    cfg = study_cfg(tiny, tmp_path, context=1500)
+    mib = arena_for(cfg, 3, generous_mib=8.0)
+    assert capacity_with_draft(cfg, mib)[0] == 3
+    assert capacity_with_draft(cfg, mib - 0.06)[0] == 2  # one page pair (0.05 MiB) less: one page/layer fewer
