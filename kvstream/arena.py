@@ -144,7 +144,7 @@ class Arena:
         """Lay out slab, ring and as many pool pages as fit below the pinned region."""
         pair = k_page + v_page
         fixed = _up(slab) + 2 * ALIGN + ring_pages * pair  # the V region starts aligned too
-        pool = max(0, (self.top - fixed) // pair)
+        pool = self.pool_pages(slab, ring_pages, pair)
         need = fixed + min_pool_pages * pair
         if pool < min_pool_pages:
             raise ArenaTooSmall(
@@ -156,6 +156,11 @@ class Arena:
         layout = Layout(self.nbytes, slab, ring_pages, pool, k_page, v_page, self.pinned_bytes)
         self.floor = layout.end
         return layout
+
+    def pool_pages(self, slab: int, ring_pages: int, pair: int, extra_pinned: int = 0) -> int:
+        """Pool pages a layout would get below the pinned region (``extra_pinned`` more pinned)."""
+        fixed = _up(slab) + 2 * ALIGN + ring_pages * pair
+        return max(0, (self.top - extra_pinned - fixed) // pair)
 
     def release_layout(self) -> None:
         """Forget the current layout (its views must no longer be used), so pins may grow down

@@ -37,10 +37,8 @@ class DraftControl:
         if not hasattr(cache, "rearrange"):
             raise ValueError("a draft model is pinned in the arena: use cache.mode=resident or stream")
         self.draft, self.cache, self.policy = draft, cache, policy
-        self.capacity_without = cache.capacity
         cache.rearrange(lambda: draft.pin(cache.arena))
         self.bytes = draft.pinned_bytes
-        self.capacity_with = cache.capacity
         self.since = 0
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
@@ -49,6 +47,16 @@ class DraftControl:
     @property
     def active(self) -> bool:
         return self.draft.enabled
+
+    # Capacities of the current phase's layout (the prefill slab is larger than the decode one,
+    # so they change at the phase switch): the state we are in is measured, the other computed.
+    @property
+    def capacity_with(self) -> int:
+        return self.cache.capacity if self.active else self.cache.capacity_with(self.bytes)
+
+    @property
+    def capacity_without(self) -> int:
+        return self.cache.capacity_with(-self.bytes) if self.active else self.cache.capacity
 
     def snapshot(self) -> Snapshot:
         pages = -(-self.cache.length // PAGE_TOKENS)

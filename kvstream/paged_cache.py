@@ -156,8 +156,8 @@ class PagedCache(CacheBase):
 
     def capacity_with(self, extra_pinned_bytes: int) -> int:
         """Pages per layer the pool would hold with ``extra_pinned_bytes`` more (or fewer) pinned."""
-        pool = self.layout.pool_pages * self.layout.pair - extra_pinned_bytes
-        return max(0, pool // self.layout.pair // self.n_layers)
+        pool = self.arena.pool_pages(self.layout.slab, self.ring_pages, self.layout.pair, extra_pinned_bytes)
+        return min(pool // self.n_layers, self.max_pages)
 
     def _pool_slot(self, layer: int, j: int) -> int:
         return self.ring_pages + layer * self.capacity + j

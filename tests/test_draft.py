@@ -231,3 +231,18 @@ def test_vocabulary_mismatch_is_a_clear_error(files):
     wrong[40] = "zz"
     with pytest.raises(VocabMismatch, match="first difference at token 40"):
         load_host(files[1], wrong, torch.float32, "cpu")
+
+
+def test_capacities_follow_the_phase_layout(model, host):
+    """The decode layout has a smaller slab than the prefill one: the capacities the eject
+    policy compares against are the current phase's, with and without the draft."""
+    cache = make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(mib=str(arena_mib(model, host, 2) + 1.0)),
+                       model, 4096, 128, verify_width=9)  # prefill chunks of 128: a prefill slab ~10 pairs larger
+    control = DraftControl(new_draft(host), cache, Never())
+    prefill_caps = (control.capacity_with, control.capacity_without)
+    cache.set_phase("decode")
+    assert control.capacity_with == cache.capacity > prefill_caps[0]
+    with_, predicted = cache.capacity, control.capacity_without
+    cache.rearrange(lambda: control.draft.eject(cache.arena))
+    assert cache.capacity == predicted > with_  # the prediction was the layout's own arithmetic
+    assert control.capacity_with == with_
