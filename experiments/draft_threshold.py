@@ -83,7 +83,6 @@ def review_prompt(tok: Tokenizer, n_tokens: int, instruction: str) -> list[int]:
     return head + code + tail
 
 
-_WARM: set = set()  # a warm-up decode ran in this process
 _MODELS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one load per sweep process
 
 
@@ -130,11 +129,9 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep}: done before ({run_id}), skipped")
         return None
     model, tok, sha = _load(run_cfg)
-    if model.device.type == "cuda" and not _WARM:  # compile the Triton kernels outside any timed cell
-        warm = replace(run_cfg, max_new_tokens=48)
-        run_decode(warm, model, tok, review_prompt(tok, min(cfg.context, 1024), cfg.instruction))
-        _WARM.add(True)
     prompt = review_prompt(tok, cfg.context, cfg.instruction)
+    if model.device.type == "cuda":  # Triton compiles per kernel variant (widths, rounds): never in a timed cell
+        run_decode(replace(run_cfg, max_new_tokens=24), model, tok, prompt)
     print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep} ...", flush=True)
     r = run_decode(run_cfg, model, tok, prompt, progress=cfg.progress)
     g, c = r.generation, r.control
