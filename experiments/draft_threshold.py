@@ -78,9 +78,18 @@ def review_prompt(tok: Tokenizer, n_tokens: int, instruction: str) -> list[int]:
     if room < 1:
         raise ValueError(f"context={n_tokens} tokens leaves no room for code ({len(head) + len(tail)} go to the "
                          "chat template and the instruction)")
-    code = tok.encode(stdlib_text())
+    code = _source_tokens(tok)
     code = (code * (room // len(code) + 1))[:room]  # long contexts wrap around the text
     return head + code + tail
+
+
+_SOURCE: dict = {}  # id(tokenizer) -> token ids of the source text: tokenized once per process
+
+
+def _source_tokens(tok: Tokenizer) -> list[int]:
+    if id(tok) not in _SOURCE:
+        _SOURCE[id(tok)] = tok.encode(stdlib_text())
+    return _SOURCE[id(tok)]
 
 
 _MODELS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one load per sweep process
@@ -185,10 +194,11 @@ def analyze(study: Path) -> None:
     from experiments import crossover, plot_draft_thresholds
 
     files = sorted((study / "steps").glob("*.csv"))
-    if not (study / "runs.csv").exists() or not files:
+    if not (study / "runs.csv").exists() or not (files or (study / "steps.csv").exists()):
         print(f"no finished cells in {study}: nothing to analyse")
         return
-    pd.concat([pd.read_csv(f) for f in files]).to_csv(study / "steps.csv", index=False)
+    if files:  # else a steps.csv gathered elsewhere (the per-cell files were not kept)
+        pd.concat([pd.read_csv(f) for f in files]).to_csv(study / "steps.csv", index=False)
     try:
         crossover.main([str(study)])
         print("figure:", plot_draft_thresholds.plot(study))

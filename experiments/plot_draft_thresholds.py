@@ -29,6 +29,12 @@ def _values(runs, column) -> str:
 def title(runs) -> str:
     """Model, draft and device from runs.csv; synthetic acceptance named, since such runs measure no real draft."""
     model, draft, device = (_values(runs, c) for c in ("model", "draft_model", "device"))
+    short = lambda v: ", ".join(Path(x).name.removesuffix(".gguf") for x in v.split(", ")) if v else v
+    model, draft = short(model), short(draft)
+    if "random_weights" in runs and runs["random_weights"].astype(str).eq("True").any():
+        model += " (random weights)"
+    if "device_name" in runs and runs["device_name"].notna().any():
+        device = runs["device_name"].dropna().iloc[0]
     t = "decode tok/s vs context" + (f": {model}" if model else "") + (f" + draft {draft}" if draft else "")
     t += f" on {device}" if device else ""
     alpha = _values(runs, "synthetic_acceptance")

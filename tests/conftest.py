@@ -31,3 +31,8 @@ def real_model_path(name: str):
 @pytest.fixture(scope="session")
 def qwen05_path():
     return real_model_path("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen15_path():
+    return real_model_path("qwen2.5-coder-1.5b")

@@ -246,3 +246,21 @@ def test_capacities_follow_the_phase_layout(model, host):
     cache.rearrange(lambda: control.draft.eject(cache.arena))
     assert cache.capacity == predicted > with_  # the prediction was the layout's own arithmetic
     assert control.capacity_with == with_
+
+
+def test_real_pair_greedy_speculation_equals_plain_decoding(qwen15_path, qwen05_path):
+    """The real 1.5B target with the real 0.5B draft pinned in a streaming arena (skipped
+    without both extras): greedy output identical to plain decoding, and the draft is used."""
+    target = load_model(qwen15_path)
+    tok = Tokenizer.from_gguf(qwen15_path)
+    host = load_host(qwen05_path, tok.token_texts, torch.float32, "cpu")
+    prompt = tok.encode("def binary_search(a, x):\n    \"\"\"Return the index of x in the sorted list a.\"\"\"\n")
+    new = lambda pinned: make_cache(CacheConfig(mode="stream"), ArenaConfig(), target, 512, 64, verify_width=9,
+                                    pinned_bytes=pinned)
+    plain = generate(target, new(0), prompt, 32, Sampler(GREEDY), prefill_chunk=64).tokens
+    cache, draft = new(host.nbytes + 64 * MIB), DraftModel(host, "cpu", max_tokens=512, chunk=64, p_min=0.0)
+    control = DraftControl(draft, cache, Never())
+    g = speculative_generate(target, cache, prompt, 32, Sampler(GREEDY), Chain([draft]), n_max=6, prefill_chunk=64,
+                             control=control)
+    assert g.tokens == plain
+    assert draft.stats.accepted_tokens > 0 and control.bytes > host.nbytes  # weights + KV in the arena
