@@ -71,7 +71,6 @@ class Qwen:
         self.out_norm = w["output_norm.weight"]
         self.lm_head = self.embed if cfg.tied_output else w["output.weight"]
         self.layers = [Layer.from_weights(w, i) for i in range(cfg.n_layers)]
-        self.split_qkv = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
         d = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.embed.device) / d))
 
@@ -95,17 +94,18 @@ class Qwen:
         cos = freqs.cos().to(self.dtype)[:, None, :]
         sin = freqs.sin().to(self.dtype)[:, None, :]
         x = F.embedding(tokens, self.embed)
+        H, D = cfg.n_heads, cfg.head_dim
+        qk_width = (H + cfg.n_kv_heads) * D
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.attn_norm, cfg.rms_eps)
-            q, k, v = F.linear(h, L.wqkv, L.bqkv).split(self.split_qkv, dim=-1)
-            q = q.reshape(n, cfg.n_heads, cfg.head_dim)
-            k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
-            v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+            qkv = F.linear(h, L.wqkv, L.bqkv)
+            # q and k heads side by side: one RoPE over both (half the elementwise launches per layer)
+            qk = qkv[:, :qk_width].view(n, -1, D)
+            v = qkv[:, qk_width:].view(n, cfg.n_kv_heads, D)
             if L.q_norm is not None:
-                q = rms_norm(q, L.q_norm, cfg.rms_eps)
-                k = rms_norm(k, L.k_norm, cfg.rms_eps)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-            a = cache.attend(i, q, k, v).reshape(n, cfg.n_heads * cfg.head_dim)
+                qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, cfg.rms_eps), rms_norm(qk[:, H:], L.k_norm, cfg.rms_eps)), 1)
+            qk = rope(qk, cos, sin)
+            a = cache.attend(i, qk[:, :H], qk[:, H:], v).reshape(n, H * D)
             x = x + F.linear(a, L.wo)
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
             gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)

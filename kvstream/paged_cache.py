@@ -193,6 +193,13 @@ class PagedCache(CacheBase):
                     start, streamed = p, []
                 streamed.append(p)
         self.rounds.append((start, n_pages, streamed))
+        keys = [(a * PAGE_TOKENS, b * PAGE_TOKENS if i < len(self.rounds) - 1 else None)
+                for i, (a, b, _) in enumerate(self.rounds)]  # the last round runs to the sequence's end
+        if self.ops.triton:  # as device scalars, made once per plan rather than per layer and round
+            flat = torch.tensor([k if k is not None else 0 for ab in keys for k in ab], device=self.device)
+            keys = [(flat[2 * i:2 * i + 1], None if e is None else flat[2 * i + 1:2 * i + 2])
+                    for i, (_, e) in enumerate(keys)]
+        self.round_keys = keys
         for l in range(self.n_layers):
             for r, (_, _, pages) in enumerate(self.rounds):
                 h = self._half(l, r)
@@ -226,6 +233,10 @@ class PagedCache(CacheBase):
             self._plan(n_pages, upload_below=-(-self.length // PAGE_TOKENS))
         self._n = n
         self.pos = torch.arange(self.length, self.length + n, device=self.device)
+        # once per step, not per layer: every layer's slot of each new row, and the length as
+        # the kernels read it (a device scalar on CUDA: no per-layer host->device fill)
+        self.slots = self.tables[:, self.pos // PAGE_TOKENS].long() * PAGE_TOKENS + self.pos % PAGE_TOKENS
+        self.seq_len = self.pos[-1:] + 1 if self.ops.triton else self.length + n
         s = self.rounds
         self.stats.streamed_pages = sum(len(r[2]) for r in s)
         self.stats.resident_pages = n_pages - self.stats.streamed_pages
@@ -251,8 +262,7 @@ class PagedCache(CacheBase):
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k_new / v_new [n, KVH, D] -> attention output [n, H, D] in q's dtype."""
-        table = self.tables[layer]
-        slots = table[self.pos // PAGE_TOKENS].long() * PAGE_TOKENS + self.pos % PAGE_TOKENS
+        table, slots = self.tables[layer], self.slots[layer]
         self.ops.store(self.kspace, k_new.contiguous(), slots, self.k_fmt)
         self.ops.store(self.vspace, v_new.contiguous(), slots, self.v_fmt)
         L = self.length + self._n
@@ -262,11 +272,11 @@ class PagedCache(CacheBase):
         for r, (a, b, _) in enumerate(self.rounds):
             self.copier.wait(self._half(layer, r))
             if len(self.rounds) == 1:  # everything in one call: the resident-mode computation
-                out = self.ops.attention(q, self.kspace, self.vspace, table, L, self.k_fmt, self.v_fmt)
+                out = self.ops.attention(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt, self.v_fmt)
             else:
-                end = None if r == len(self.rounds) - 1 else b * PAGE_TOKENS
-                parts.append(self.ops.partials(q, self.kspace, self.vspace, table, L, self.k_fmt, self.v_fmt,
-                                               key_start=a * PAGE_TOKENS, key_end=end))
+                start, end = self.round_keys[r]
+                parts.append(self.ops.partials(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt,
+                                               self.v_fmt, key_start=start, key_end=end))
             self.copier.release(self._half(layer, r))
             self._prefetch(*((layer, r + 1) if r + 1 < len(self.rounds) else (layer + 1, 0)))
         return out if not parts else self.ops.merge(parts, q.dtype)
