@@ -47,7 +47,8 @@ class RunResult:
 
 def eject_policy(p: PolicyConfig):
     return eject.build(p.eject, keep_pages=p.keep_pages, reenable_margin=p.reenable_margin,
-                       stable_decodes=p.stable_decodes, probe_pages=p.probe_pages, settle=p.settle, margin=p.margin)
+                       stable_decodes=p.stable_decodes, probe_pages=p.probe_pages, settle=p.settle, margin=p.margin,
+                       trust_onset=p.trust_onset)
 
 
 def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *, on_token=None,

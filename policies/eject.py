@@ -121,8 +121,10 @@ class StableDecodes:
 class Auto:
     """Find the keep/eject crossover online, without a threshold.
 
-    At or below the onset nothing streams, so keeping the draft costs nothing: want it. Above,
-    compare the measured goodputs. A measurement is *fresh* when taken within ``probe_pages``
+    At or below the onset nothing streams, so keeping the draft costs no pages: want it (with
+    ``trust_onset``; without it the goodputs are compared there too, for drafts that may not
+    pay even when nothing streams, e.g. launch-bound eager draft steps). Above, compare the
+    measured goodputs. A measurement is *fresh* when taken within ``probe_pages``
     pages of the current working set. Nothing is decided in the first ``settle`` batches of a
     stint (until then the current state's measurement still holds the previous stint or the
     transition). After that: if the other state's measurement is missing or stale, switch to
@@ -136,12 +138,13 @@ class Auto:
     probe_pages: int = 16
     settle: int = 8
     margin: float = 0.03
+    trust_onset: bool = True
 
     def _fresh(self, snap: Snapshot, pages: int | None) -> bool:
         return pages is not None and abs(snap.pages_per_layer - pages) <= self.probe_pages
 
     def decide(self, snap: Snapshot) -> Action:
-        if snap.pages_per_layer <= snap.capacity_with_draft:
+        if self.trust_onset and snap.pages_per_layer <= snap.capacity_with_draft:
             return _toward(snap, True)
         if snap.decodes_since_transition < self.settle:
             return Action.STAY
@@ -157,7 +160,7 @@ class Auto:
 
 
 def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_decodes: int = 4,
-          probe_pages: int = 16, settle: int = 8, margin: float = 0.03):
+          probe_pages: int = 16, settle: int = 8, margin: float = 0.03, trust_onset: bool = True):
     """An eject policy by config name, wrapped in the default hysteresis (margin pages below
     the threshold to re-enable, ``stable_decodes`` batches between transitions; 0 turns each
     off). Names: onset, keep_pages, never, always, auto.
@@ -169,7 +172,7 @@ def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_de
     at the onset, since ``settle`` already spaces the transitions above it.
     """
     base = {"onset": Onset(), "keep_pages": KeepPages(keep_pages), "never": Never(), "always": Always(),
-            "auto": Auto(probe_pages, settle, margin)}
+            "auto": Auto(probe_pages, settle, margin, trust_onset)}
     if name not in base:
         raise ValueError(f"policy.eject={name!r}; choose one of {', '.join(base)}")
     if name == "keep_pages" and keep_pages < 1:

@@ -226,3 +226,15 @@ def test_build_auto():
     for bad in ({"probe_pages": 0}, {"settle": 0}, {"margin": -0.1}):
         with pytest.raises(ValueError, match="auto needs probe_pages >= 1, settle >= 1 and margin >= 0"):
             build("auto", **bad)
+
+
+def test_auto_without_trusting_the_onset_compares_below_it_too():
+    """A draft that does not pay even when nothing streams (launch-bound eager draft steps):
+    with trust_onset=False auto probes and ejects below the onset as well."""
+    below = CAP_WITH - 5
+    assert Auto().decide(auto_snap(below, True, with_=(20.0, below))) is Action.STAY
+    auto = Auto(trust_onset=False)
+    assert auto.decide(auto_snap(below, True, with_=(20.0, below))) is Action.EJECT  # probe
+    assert auto.decide(auto_snap(below, False, with_=(20.0, below), without=(40.0, below))) is Action.STAY
+    assert auto.decide(auto_snap(below, False, with_=(40.0, below), without=(20.0, below))) is Action.REENABLE
+    assert build("auto", trust_onset=False).inner.trust_onset is False
