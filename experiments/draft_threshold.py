@@ -39,6 +39,7 @@ from kvstream.model import load_model
 from kvstream.perplexity import stdlib_text
 from kvstream.registry import MODELS, resolve_model
 from kvstream.runner import run_decode
+from kvstream.speculators.base import parse_chain_spec
 from kvstream.tokenizer import Tokenizer
 
 ARMS = ("none", "keep", "onset", "auto", "always", "pages<N>")
@@ -131,7 +132,8 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     out = Path(cfg.results) / cfg.study
     run_cfg = arm_config(cfg)
     resolved = asdict(run_cfg)
-    resolved.pop("progress")
+    for key in ("progress", "results"):  # where rows go and how they show: not part of the cell
+        resolved.pop(key)
     run_id = hashlib.sha1(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:12]
     runs = out / "runs.csv"
     if runs.exists() and run_id in set(pd.read_csv(runs, usecols=["run_id"], dtype=str)["run_id"]):
@@ -177,10 +179,11 @@ def run_cell(cfg: StudyConfig) -> dict | None:
 def _arm_label(cfg: StudyConfig) -> str:
     """The arm as the analysis names it; a speculator chain other than the draft alone is
     appended (``keep[ngram-simple,draft]``), so a sweep over ``spec`` gives one curve each."""
-    if cfg.spec.type == "none":
+    names = parse_chain_spec(cfg.spec.type)
+    if not names:
         return "none"
     arm = f"keep_pages={cfg.arm[5:]}" if cfg.arm.startswith("pages") else cfg.arm
-    return arm if cfg.spec.type == "draft" else f"{arm}[{cfg.spec.type}]"
+    return arm if names == ["draft"] else f"{arm}[{','.join(names)}]"
 
 
 class Analyze(Callback):

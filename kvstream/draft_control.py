@@ -39,7 +39,8 @@ class DraftControl:
         self.draft, self.cache, self.policy = draft, cache, policy
         cache.rearrange(lambda: draft.pin(cache.arena))
         self.bytes = draft.pinned_bytes
-        self.since = 0
+        self.since = 1 << 30  # no transition yet: hysteresis must not hold off the first one
+        self.streaming = False  # the working set exceeds the draft-active capacity
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []
@@ -65,8 +66,15 @@ class DraftControl:
 
     def after_step(self, step: int, new_tokens: int, step_s: float) -> Action:
         """Record one decode batch; apply the policy's decision. Returns it."""
+        pages = -(-self.cache.length // PAGE_TOKENS)
+        if (pages > self.capacity_with) != self.streaming:  # crossed the onset: earlier batches tell nothing
+            self.streaming = not self.streaming
+            for state in (True, False):
+                self.meter[state].clear()
+                self.measured[state] = (None, None)
         m = self.meter[self.active]
-        m.append((new_tokens, step_s))
+        if self.since > 0:  # the first batch after a transition carries the draft's catch-up: not steady state
+            m.append((new_tokens, step_s))
         if len(m) >= GOODPUT_MIN:
             self.measured[self.active] = (sum(t for t, _ in m) / sum(s for _, s in m),
                                           -(-self.cache.length // PAGE_TOKENS))

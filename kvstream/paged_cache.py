@@ -141,13 +141,13 @@ class PagedCache(CacheBase):
         self._plan(-(-self.length // PAGE_TOKENS), upload_below=-(-self.length // PAGE_TOKENS))
         return self.layout
 
-    def _auto_ring(self, slab_bytes: int) -> int:
+    def _auto_ring(self, slab_bytes: int, extra_pinned_bytes: int = 0) -> int:
         """The smallest ring whose halves each hold every page a layer streams at full context,
         given the most resident pages per layer that then fit: one copy and one attention call
         per layer. The ring is shared by all layers, so it costs ring / n_layers resident pages
         per layer, while every extra round costs launches and a merge."""
         pair = self.k_fmt.page_bytes + self.v_fmt.page_bytes
-        total = (self.arena.top - slab_bytes - 3 * ALIGN) // pair  # page pairs that fit at most
+        total = (self.arena.top - extra_pinned_bytes - slab_bytes - 3 * ALIGN) // pair  # page pairs that fit at most
         P, L = self.max_pages, self.n_layers
         for c in range(P, 1, -1):  # most resident pages first
             if L * c + 2 * max(1, P - c) <= total:
@@ -155,8 +155,11 @@ class PagedCache(CacheBase):
         return 2  # too small for even 2 resident pages: lay_out reports the numbers
 
     def capacity_with(self, extra_pinned_bytes: int) -> int:
-        """Pages per layer the pool would hold with ``extra_pinned_bytes`` more (or fewer) pinned."""
-        pool = self.arena.pool_pages(self.layout.slab, self.ring_pages, self.layout.pair, extra_pinned_bytes)
+        """Pages per layer this phase's layout would hold with ``extra_pinned_bytes`` more (or
+        fewer) pinned: the layout's own arithmetic, an automatic ring re-sized as well."""
+        slab, extra = self.layout.slab, extra_pinned_bytes
+        ring = self.ring_request if self.ring_request is not None else self._auto_ring(slab, extra)
+        pool = self.arena.pool_pages(slab, ring, self.layout.pair, extra)
         return min(pool // self.n_layers, self.max_pages)
 
     def _pool_slot(self, layer: int, j: int) -> int:

@@ -19,7 +19,7 @@ from .generate import Generation, generate
 from .registry import resolve_model
 from .sampling import Sampler
 from .speculative import speculative_generate
-from .speculators.base import Chain, build_chain
+from .speculators.base import Chain, build_chain, parse_chain_spec
 from .speculators.draft import load_host
 from .tokenizer import Tokenizer
 
@@ -59,7 +59,7 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
     stop = () if cfg.ignore_eos else tok.eog_ids
     sampler = Sampler(cfg.sampling, cfg.hardware.device)
     options = {}
-    if speculating and "draft" in spec.type.replace("_", "-").split(","):
+    if speculating and "draft" in parse_chain_spec(spec.type):
         d = spec.draft
         options["draft"] = dict(host=hosts.get_host(d.source, tok, model.dtype, model.device), device=model.device,
                                 max_tokens=max_tokens, type_k=d.type_k, type_v=d.type_v, window=d.window,

@@ -95,6 +95,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
     t0 = time.perf_counter()
     chain.begin(prompt)  # a draft model reads the prompt here: part of the prefill phase
+    _sync(dev)
     prefill_s += time.perf_counter() - t0
     t1 = time.perf_counter()
     emit = on_token or (lambda t: None)
@@ -113,6 +114,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         start = cache.length
         logits = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True)
         kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
+        kept = kept[:next((i + 1 for i, t in enumerate(kept) if t in stop), len(kept))]  # nothing after a stop
         cache.truncate(start + len(kept))  # the last sampled token and the accepted drafts stay
         winner = chain.last_winner.name if chain.last_winner is not None else ""
         if draft:
@@ -120,8 +122,6 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         for t in kept:
             out.append(t)
             emit(t)
-            if t in stop:
-                break
         step_s = time.perf_counter() - ts
         timing.update(1 + len(draft), step_s - draft_s, draft_s, len(draft))
         drafted_total, accepted_total = drafted_total + len(draft), accepted_total + len(kept) - 1

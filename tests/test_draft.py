@@ -52,8 +52,8 @@ def host(request, files):
     return load_host(files[0] if request.param == "same-weights" else files[1], tok.token_texts, torch.float32, "cpu")
 
 
-def new_draft(host, **kw):
-    return DraftModel(host, "cpu", max_tokens=1024, chunk=CHUNK, **kw)
+def new_draft(host, max_tokens=1024, **kw):
+    return DraftModel(host, "cpu", max_tokens=max_tokens, chunk=CHUNK, **kw)
 
 
 def draft_bytes(host, **kw) -> int:
@@ -264,3 +264,46 @@ def test_real_pair_greedy_speculation_equals_plain_decoding(qwen15_path, qwen05_
                              control=control)
     assert g.tokens == plain
     assert draft.stats.accepted_tokens > 0 and control.bytes > host.nbytes  # weights + KV in the arena
+
+
+def test_predicted_capacities_hold_with_an_automatic_ring(tmp_path, host):
+    """With ring_pages=auto the ring is re-sized at every re-layout: the capacity predicted for
+    the other state must be the one the re-layout then gives (no eject/re-enable thrash).
+    Six layers: with two, the automatic ring is all-or-nothing and never moves."""
+    from dataclasses import replace as dc_replace
+
+    target = load_model(write_tiny_model(tmp_path / "six.gguf", dc_replace(SPEC, n_layers=6)))
+    fixed = reserve_slab(target, 9) + 4 * ALIGN + draft_bytes(host, max_tokens=4096)
+    rings_moved = 0
+    for pairs in (44, 48, 56, 64):  # page pairs beside the draft: 3..8 resident pages per layer
+        cache = make_cache(CacheConfig(mode="stream", ring_pages="auto"),
+                           ArenaConfig(mib=str((fixed + pairs * pair_bytes()) / MIB)), target, 4096, CHUNK, verify_width=9)
+        control = DraftControl(new_draft(host, max_tokens=4096), cache, Never())
+        cache.set_phase("decode")
+        predicted, ring_with = control.capacity_without, cache.ring_pages
+        cache.rearrange(lambda: control.draft.eject(cache.arena))
+        assert cache.capacity == predicted, pairs
+        rings_moved += cache.ring_pages != ring_with
+        predicted = control.capacity_with
+        cache.rearrange(lambda: control.draft.pin(cache.arena))
+        assert cache.capacity == predicted, pairs
+    assert rings_moved  # the case the prediction must get right did occur
+
+
+def test_a_stop_token_inside_an_accepted_draft_ends_the_round(model, host, plain):
+    """Tokens after a stop token are neither emitted nor counted as accepted."""
+    stop = plain[len(plain) // 2]
+    first = plain.index(stop)
+    g, draft, _, _ = run_with_draft(model, host, Never(), stop_ids=[stop])
+    assert g.tokens == plain[:first + 1] and g.stopped_on == stop
+    assert sum(r.new_tokens for r in g.records) == len(g.tokens) - 1
+    assert draft.stats.accepted_tokens == sum(r.accepted for r in g.records)
+
+
+def test_dropped_short_drafts_leave_the_draft_kv_at_the_history(host):
+    d = new_draft(host, n_min=9)  # drafts of at most 6 tokens below: always dropped
+    d.pin(Arena(64 * MIB, "cpu"))
+    history = PROMPT[:200]
+    with torch.inference_mode():
+        assert d.propose(history, 6) == []
+    assert d.fed == history and d.cache.length == len(history)

@@ -84,7 +84,6 @@ class DraftModel(Speculator):
         self.base = 0
         self.pinned_bytes = 0
         self.enabled = False  # until pinned
-        self.draft_s = 0.0  # seconds of the last propose (set by the engine's timer)
 
     # ---- arena ------------------------------------------------------------------------
 
@@ -117,9 +116,13 @@ class DraftModel(Speculator):
 
     def _truncate(self, n: int) -> None:
         """Keep the first ``n`` fed tokens."""
-        if n < self.base:  # the window no longer reaches back that far: start over
-            self.fed, self.base = self.fed[:n], n
+        if n < self.base:  # the window no longer reaches back that far: re-read the newest half-window
+            self.base = max(0, n - self.kv_tokens // 2)
+            keep = self.fed[self.base:n]
+            del self.fed[self.base:]
             self.cache.truncate(0)
+            if keep:
+                self._feed(keep)
         elif n < len(self.fed):
             del self.fed[n:]
             self.cache.truncate(n - self.base)
@@ -171,6 +174,7 @@ class DraftModel(Speculator):
             if i + 1 < n_max:
                 logits = self._feed([tok])
         if len(draft) < max(1, self.n_min):
+            self._truncate(self._at)  # dropped: the KV keeps only the history (no feedback will come)
             return []
         self.last_probs = None if self.sampler.params.greedy else torch.stack(probs)
         return draft
