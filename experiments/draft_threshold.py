@@ -160,6 +160,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "capacity_without_draft": c.capacity_without if c else r.cache.capacity,
         "draft_mib": c.bytes / 2**20 if c else 0.0, "ejects": c.count("eject") if c else 0,
         "reenables": c.count("reenable") if c else 0,
+        "transitions": json.dumps(c.transitions_rows() if c else []),  # step, pages, capacities, seconds, bytes
         "acceptance_rate": sum(s.accepted_tokens for s in stats.values()) / drafted if drafted else None,
         "draft_time_share": float(steps["draft_s"].sum() / steps["step_s"].sum()) if len(steps) else None,
         "speculators": json.dumps({n: s.as_dict() for n, s in stats.items()}),  # per speculator, fixed schema

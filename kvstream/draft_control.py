@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kernels.formats import PAGE_TOKENS
 from policies.eject import Action, Snapshot
@@ -28,6 +28,7 @@ class Transition:
     capacity_before: int  # resident pages per layer before / after the re-layout
     capacity_after: int
     seconds: float
+    h2d_bytes: int  # host->device bytes: the target's resident pages; re-enabling, the draft's weights and KV too
 
 
 class DraftControl:
@@ -84,15 +85,24 @@ class DraftControl:
         if action is Action.STAY:
             return action
         before, t0 = self.cache.capacity, time.perf_counter()
+        self.cache.stats.h2d_bytes = 0
+        if self.draft.cache is not None:
+            self.draft.cache.stats.h2d_bytes = 0
         if action is Action.EJECT:
             self.cache.rearrange(lambda: self.draft.eject(self.cache.arena))
         else:
             self.cache.rearrange(lambda: self.draft.pin(self.cache.arena))
+        moved = self.cache.stats.h2d_bytes
+        if action is Action.REENABLE:  # the draft's weights and KV pages came back too
+            moved += self.draft.host.nbytes + self.draft.cache.stats.h2d_bytes
         self.transitions.append(Transition(step, action.value, snap.pages_per_layer, before, self.cache.capacity,
-                                           time.perf_counter() - t0))
+                                           time.perf_counter() - t0, moved))
         self.since = 0
         self.meter[self.active].clear()
         return action
+
+    def transitions_rows(self) -> list[dict]:
+        return [asdict(t) for t in self.transitions]
 
     def count(self, action: str) -> int:
         return sum(t.action == action for t in self.transitions)

@@ -161,6 +161,8 @@ def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain):
     assert active[:2] == [True, True] and not any(active[3:7]) and all(active[8:])
     assert all(r.drafted == 0 for r in g.records[3:8])  # ejected: plain decoding
     assert control.transitions[0].capacity_after > control.transitions[0].capacity_before
+    eject, reenable = control.transitions
+    assert eject.h2d_bytes > 0 and reenable.h2d_bytes > host.nbytes and eject.seconds > 0  # resident pages re-uploaded
     history = PROMPT + g.tokens
     assert draft.fed == history[:len(draft.fed)] and len(draft.fed) > len(PROMPT) + 8  # it caught up
 
