@@ -37,7 +37,7 @@ from kvstream.config import GenerateConfig, quote_free_text, to_typed
 from kvstream.loader import is_skeleton, open_gguf
 from kvstream.model import load_model
 from kvstream.perplexity import stdlib_text
-from kvstream.registry import MODELS, resolve_model
+from kvstream.registry import MODELS, resolve_model, sha256_file
 from kvstream.runner import run_decode
 from kvstream.speculators.base import parse_chain_spec
 from kvstream.tokenizer import Tokenizer
@@ -101,18 +101,10 @@ def _load(cfg: StudyConfig):
     if key not in _MODELS:
         path = resolve_model(cfg.model.source)
         reader = open_gguf(path)
-        sha = MODELS[cfg.model.source].sha256 if cfg.model.source in MODELS else _sha256(path)
+        sha = MODELS[cfg.model.source].sha256 if cfg.model.source in MODELS else sha256_file(path)
         _MODELS[key] = (load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device), Tokenizer.from_gguf(reader),
                         sha)
     return _MODELS[key]
-
-
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def provenance() -> dict:

@@ -66,7 +66,7 @@ def is_available(name: str) -> bool:
         return False
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
@@ -108,7 +108,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         for part in parts:
             with open(part, "rb") as f:
                 shutil.copyfileobj(f, out, 1 << 24)
-    size, digest = tmp.stat().st_size, _sha256(tmp)
+    size, digest = tmp.stat().st_size, sha256_file(tmp)
     if size != model.size or digest != model.sha256:
         tmp.unlink()
         raise RuntimeError(
