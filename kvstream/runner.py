@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 from policies import chain_order, draft_length, eject
 
-from .arena import ALIGN
-from .cache_factory import make_cache, paged_bytes, reserve_slab
+from .cache_factory import make_cache
 from .config import GenerateConfig, PolicyConfig
 from .draft_control import DraftControl
 from .generate import Generation, generate
@@ -67,7 +66,7 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
     chain = build_chain(spec.type, options) if speculating else None
     cache = make_cache(cfg.cache, cfg.arena, model, max_tokens, cfg.prefill_chunk,
                        verify_width=1 + spec.n_max if speculating else 1,
-                       pinned_bytes=_draft_bytes_estimate(options.get("draft")))
+                       pinned_bytes=chain.get("draft").estimated_bytes() if "draft" in options else 0)
     if not speculating:
         return RunResult(generate(model, cache, prompt, cfg.max_new_tokens, sampler, stop_ids=stop,
                                   prefill_chunk=cfg.prefill_chunk, on_token=on_token), None, None, cache)
@@ -83,14 +82,3 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
         order_policy=chain_order.build(p.chain_order), control=control, progress=progress)
     return RunResult(g, chain, control, cache)
 
-
-def _draft_bytes_estimate(options: dict | None) -> int:
-    """Bytes a draft pins (weights + KV + compute slab), so that ``arena.mib=auto`` leaves the
-    target every page. The slab is the shape estimate (the host copy is on the CPU), doubled on
-    CUDA where the draft measures its real peak at pin time (allocator rounding included)."""
-    if options is None:
-        return 0
-    host = options["host"]
-    slab = reserve_slab(host, options["chunk"]) * (2 if options["device"].type == "cuda" else 1)
-    kv_tokens = options["window"] or options["max_tokens"] + 16
-    return host.nbytes + ALIGN * len(host.tensors()) + paged_bytes(host.cfg, options["type_k"], options["type_v"], kv_tokens, slab)

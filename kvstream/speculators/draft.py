@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..arena import Arena
+from ..arena import ALIGN, Arena
 from ..cache_factory import paged_bytes, reserve_slab
 from ..loader import open_gguf
 from ..model import Qwen, load_model
@@ -86,6 +86,14 @@ class DraftModel(Speculator):
         self.enabled = False  # until pinned
 
     # ---- arena ------------------------------------------------------------------------
+
+    def estimated_bytes(self) -> int:
+        """What ``pin`` will take, before pinning (for ``arena.mib=auto``): weights with their
+        alignment, and the KV region with a compute slab from the shapes, doubled on CUDA where
+        ``pin`` measures the real peak (allocator rounding included)."""
+        slab = reserve_slab(self.host, self.chunk) * (2 if self.device.type == "cuda" else 1)
+        return (self.host.nbytes + ALIGN * len(self.host.tensors())
+                + paged_bytes(self.host.cfg, self.type_k, self.type_v, self.kv_tokens, slab))
 
     def pin(self, arena: Arena) -> int:
         """Pin the weights and the draft KV into ``arena``'s pinned region; returns the bytes."""
@@ -166,17 +174,19 @@ class DraftModel(Speculator):
         for i in range(n_max):
             if self.p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < self.p_min:
                 break
-            q = self.sampler.dense(logits)
-            tok = int(logits.argmax()) if self.sampler.params.greedy else int(
-                torch.multinomial(q, 1, generator=self.sampler.generator)[0])
+            if self.sampler.params.greedy:  # acceptance compares argmaxes: no distribution needed
+                tok = int(logits.argmax())
+            else:
+                q = self.sampler.dense(logits)
+                tok = int(torch.multinomial(q, 1, generator=self.sampler.generator)[0])
+                probs.append(q)
             draft.append(tok)
-            probs.append(q)
             if i + 1 < n_max:
                 logits = self._feed([tok])
         if len(draft) < max(1, self.n_min):
             self._truncate(self._at)  # dropped: the KV keeps only the history (no feedback will come)
             return []
-        self.last_probs = None if self.sampler.params.greedy else torch.stack(probs)
+        self.last_probs = torch.stack(probs) if probs else None
         return draft
 
     def _accepted(self, n_drafted: int, n_accepted: int) -> None:
