@@ -40,6 +40,7 @@ class DraftControl:
         self.draft, self.cache, self.policy = draft, cache, policy
         cache.rearrange(lambda: draft.pin(cache.arena))
         self.bytes = draft.pinned_bytes
+        self._caps = None  # (layout, (with, without)): see _capacities
         self.since = 1 << 30  # no transition yet: hysteresis must not hold off the first one
         self.streaming = False  # the working set exceeds the draft-active capacity
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
@@ -50,15 +51,24 @@ class DraftControl:
     def active(self) -> bool:
         return self.draft.enabled
 
-    # Capacities of the current phase's layout (the prefill slab is larger than the decode one,
-    # so they change at the phase switch): the state we are in is measured, the other computed.
+    def _capacities(self) -> tuple[int, int]:
+        """(with, without) the draft for the current layout (the prefill slab is larger than the
+        decode one, so they change at the phase switch): the state we are in is measured, the
+        other computed; recomputed only when the layout changes, not every decode batch."""
+        layout = self.cache.layout
+        if self._caps is None or self._caps[0] is not layout:
+            cap = self.cache.capacity
+            other = self.cache.capacity_with(self.bytes if not self.active else -self.bytes)
+            self._caps = (layout, (cap, other) if self.active else (other, cap))
+        return self._caps[1]
+
     @property
     def capacity_with(self) -> int:
-        return self.cache.capacity if self.active else self.cache.capacity_with(self.bytes)
+        return self._capacities()[0]
 
     @property
     def capacity_without(self) -> int:
-        return self.cache.capacity_with(-self.bytes) if self.active else self.cache.capacity
+        return self._capacities()[1]
 
     def snapshot(self) -> Snapshot:
         pages = -(-self.cache.length // PAGE_TOKENS)
