@@ -309,3 +309,37 @@ def test_dropped_short_drafts_leave_the_draft_kv_at_the_history(host):
     with torch.inference_mode():
         assert d.propose(history, 6) == []
     assert d.fed == history and d.cache.length == len(history)
+
+
+def test_length_and_order_policies_act_in_the_engine(model, host, plain):
+    """The +2/-1 length policy changes the verify widths round to round, by_goodput re-ranks
+    the chain, and the output stays plain decoding's."""
+    from policies.chain_order import ByGoodput
+    from policies.draft_length import Heuristic
+
+    cache = target_cache(model, arena_mib(model, host, 2))
+    draft = new_draft(host, p_min=0.0)
+    control = DraftControl(draft, cache, Never())
+    chain = Chain([NgramSimple(n=3, m=8), draft])
+    g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), chain, n_max=8, prefill_chunk=CHUNK,
+                             control=control, length_policy=Heuristic(n_min=1, start=2),
+                             order_policy=ByGoodput(min_calls=2))
+    assert g.tokens == plain
+    assert len({r.verify_width for r in g.records if r.drafted}) > 1  # the length moved
+    assert g.records[0].verify_width <= 3  # started at 2 draft tokens, not n_max
+    # by_goodput: a drafter that takes no time and had tokens accepted ranks first; one with none
+    # accepted ranks below the draft model (which accepted some): the configured order is overridden
+    ngram, drafted = chain.get("ngram-simple").stats, chain.get("draft").stats
+    assert ngram.accepted_tokens or drafted.accepted_tokens  # a ranking with something to rank
+    assert chain.names[0] == ("ngram-simple" if ngram.accepted_tokens else "draft")
+
+
+@pytest.mark.parametrize("types", [("q8_0", "q8_0"), ("q8_0", "q4_0")])
+def test_quantized_draft_kv_stays_lossless(model, host, plain, types):
+    cache = target_cache(model, arena_mib(model, host, 2, type_k=types[0], type_v=types[1]))
+    draft = new_draft(host, type_k=types[0], type_v=types[1])
+    control = DraftControl(draft, cache, Never())
+    g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=8,
+                             prefill_chunk=CHUNK, control=control)
+    assert g.tokens == plain and draft.stats.drafts > 0
+    assert draft.cache.k_fmt.kv_type.name.lower() == types[0]
