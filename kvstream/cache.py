@@ -34,6 +34,9 @@ class CacheBase:
     def set_phase(self, phase: str) -> None:
         """Re-lay memory for a phase ("prefill", "decode"); nothing to do without an arena."""
 
+    def start_step(self) -> None:
+        """The device side of a forward pass begins (a streaming cache starts its copies)."""
+
     def commit(self) -> None:
         self.length += self._n
         self._n = 0

@@ -91,6 +91,11 @@ class PolicyConfig:
 
 
 @dataclass
+class EngineConfig:
+    cuda_graphs: bool = True   # CUDA: decode steps (target and draft) replay captured graphs; false: eager
+
+
+@dataclass
 class GenerateConfig:
     model: ModelSource = field(default_factory=ModelSource)
     hardware: Hardware = field(default_factory=Hardware)
@@ -99,6 +104,7 @@ class GenerateConfig:
     arena: ArenaConfig = field(default_factory=ArenaConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     prompt: str = "def quicksort(a):"
     chat: bool = False          # wrap the prompt in the GGUF's chat template
     system: str | None = None   # system message when chat=true

@@ -87,9 +87,17 @@ class Qwen:
 
         The cache stores the n new K/V rows; positions continue from its current length.
         """
+        pos = cache.begin(tokens.shape[0])
+        logits = self.body(tokens, pos, cache, all_logits)
+        cache.commit()
+        return logits
+
+    def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
+        """The device side of ``forward`` between ``cache.begin`` and ``cache.commit``: no host
+        decisions, no host syncs, so a decode step can be captured as a CUDA graph."""
         cfg = self.cfg
         n = tokens.shape[0]
-        pos = cache.begin(n)
+        cache.start_step()
         freqs = pos.float()[:, None] * self.inv_freq[None, :]
         cos = freqs.cos().to(self.dtype)[:, None, :]
         sin = freqs.sin().to(self.dtype)[:, None, :]
@@ -110,7 +118,6 @@ class Qwen:
             h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
             gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, L.w_down)
-        cache.commit()
         if not all_logits:
             x = x[-1:]
         return F.linear(rms_norm(x, self.out_norm, cfg.rms_eps), self.lm_head).float()

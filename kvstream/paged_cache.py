@@ -136,6 +136,10 @@ class PagedCache(CacheBase):
         self.slot: dict[int, int] = {}  # resident logical page -> index in [0, capacity)
         self.tables_host = torch.zeros((self.n_layers, self.max_pages), dtype=torch.int32)
         self.tables = torch.zeros_like(self.tables_host, device=self.device)
+        self._pos = torch.zeros(MAX_N_Q, dtype=torch.int64, device=self.device)
+        self._slots = torch.zeros((self.n_layers, MAX_N_Q), dtype=torch.int64, device=self.device)
+        self._len = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._layout_version = getattr(self, "_layout_version", 0) + 1
         self.rounds: list[tuple[int, int, list[int]]] = []  # (first page, end page, streamed pages)
         self._n_pages = 0
         self._plan(-(-self.length // PAGE_TOKENS), upload_below=-(-self.length // PAGE_TOKENS))
@@ -212,6 +216,7 @@ class PagedCache(CacheBase):
                 self.tables_host[l, p] = self._pool_slot(l, j)
         self.tables.copy_(self.tables_host)
         self._n_pages = n_pages
+        self._plan_version = getattr(self, "_plan_version", 0) + 1
 
     def _half(self, layer: int, r: int) -> int:
         return (layer * len(self.rounds) + r) % 2  # consecutive rounds alternate ring halves
@@ -235,17 +240,37 @@ class PagedCache(CacheBase):
         if n_pages != self._n_pages or any(p not in self.slot for p in touched):
             self._plan(n_pages, upload_below=-(-self.length // PAGE_TOKENS))
         self._n = n
-        self.pos = torch.arange(self.length, self.length + n, device=self.device)
+        pos = torch.arange(self.length, self.length + n, device=self.device)
         # once per step, not per layer: every layer's slot of each new row, and the length as
         # the kernels read it (a device scalar on CUDA: no per-layer host->device fill)
-        self.slots = self.tables[:, self.pos // PAGE_TOKENS].long() * PAGE_TOKENS + self.pos % PAGE_TOKENS
-        self.seq_len = self.pos[-1:] + 1 if self.ops.triton else self.length + n
+        slots = self.tables[:, pos // PAGE_TOKENS].long() * PAGE_TOKENS + pos % PAGE_TOKENS
+        if n <= MAX_N_Q:  # decode widths: in place, so a captured step (kvstream.cuda_graph) reads them
+            self._pos[:n].copy_(pos)
+            self._slots[:, :n].copy_(slots)
+            pos, slots = self._pos[:n], self._slots[:, :n]
+        self.pos, self.slots = pos, slots
+        if self.ops.triton:
+            self._len.copy_(pos[-1:] + 1)
+        self.seq_len = self._len if self.ops.triton else self.length + n
         s = self.rounds
         self.stats.streamed_pages = sum(len(r[2]) for r in s)
+        self.stats.h2d_bytes += self.stats.streamed_pages * self.n_layers * self.layout.pair  # this step's ring copies
         self.stats.resident_pages = n_pages - self.stats.streamed_pages
         self.stats.rounds = len(s)
-        self._prefetch(0, 0)
         return self.pos
+
+    def start_step(self) -> None:
+        """The device side of a step begins (the model calls it before layer 0): the first
+        round's copies. Part of a captured step, so its copies replay with it; the ring-half
+        events are recorded here first, so every wait inside the step refers to this step."""
+        if self.copier.cuda:
+            for e in self.copier.free:
+                e.record(torch.cuda.current_stream())
+        self._prefetch(0, 0)
+
+    def plan_key(self) -> tuple:
+        """What a captured step depends on besides the static buffers: layout and plan."""
+        return (self._layout_version, self._plan_version)
 
     def _prefetch(self, layer: int, r: int) -> None:
         if layer >= self.n_layers:
@@ -261,7 +286,6 @@ class PagedCache(CacheBase):
             self.copier.copy(self.kspace[h * half + i:h * half + i + m], self.host.k[layer, p:p + m], h)
             self.copier.copy(self.vspace[h * half + i:h * half + i + m], self.host.v[layer, p:p + m], h)
             i += m
-        self.stats.h2d_bytes += n * self.layout.pair
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k_new / v_new [n, KVH, D] -> attention output [n, H, D] in q's dtype."""
@@ -272,15 +296,17 @@ class PagedCache(CacheBase):
         if self._n > MAX_N_Q:
             return self._prefill_attention(layer, q, L)
         parts = []
-        for r, (a, b, _) in enumerate(self.rounds):
-            self.copier.wait(self._half(layer, r))
+        for r, (a, b, streamed) in enumerate(self.rounds):
+            if streamed:  # ring slots are read: wait for their copy
+                self.copier.wait(self._half(layer, r))
             if len(self.rounds) == 1:  # everything in one call: the resident-mode computation
                 out = self.ops.attention(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt, self.v_fmt)
             else:
                 start, end = self.round_keys[r]
                 parts.append(self.ops.partials(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt,
                                                self.v_fmt, key_start=start, key_end=end))
-            self.copier.release(self._half(layer, r))
+            if streamed:
+                self.copier.release(self._half(layer, r))
             self._prefetch(*((layer, r + 1) if r + 1 < len(self.rounds) else (layer + 1, 0)))
         return out if not parts else self.ops.merge(parts, q.dtype)
 

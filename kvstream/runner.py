@@ -13,6 +13,7 @@ from policies import chain_order, draft_length, eject
 
 from .cache_factory import make_cache
 from .config import GenerateConfig, PolicyConfig
+from .cuda_graph import GraphedModel
 from .draft_control import DraftControl
 from .generate import Generation, generate
 from .registry import resolve_model
@@ -54,6 +55,8 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
                progress: bool = False, hosts: DraftHosts = DRAFT_HOSTS) -> RunResult:
     """Decode ``cfg.max_new_tokens`` after ``prompt`` as ``cfg`` says."""
     spec, max_tokens = cfg.spec, len(prompt) + cfg.max_new_tokens
+    graphs = cfg.engine.cuda_graphs and model.device.type == "cuda"
+    step = GraphedModel(model) if graphs else model  # the same forward pass, captured or eager
     speculating = spec.type != "none"
     stop = () if cfg.ignore_eos else tok.eog_ids
     sampler = Sampler(cfg.sampling, cfg.hardware.device)
@@ -62,20 +65,20 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
         d = spec.draft
         options["draft"] = dict(host=hosts.get_host(d.source, tok, model.dtype, model.device), device=model.device,
                                 max_tokens=max_tokens, type_k=d.type_k, type_v=d.type_v, window=d.window,
-                                n_min=d.n_min, p_min=d.p_min, chunk=d.chunk, sampling=cfg.sampling)
+                                n_min=d.n_min, p_min=d.p_min, chunk=d.chunk, sampling=cfg.sampling, graphs=graphs)
     chain = build_chain(spec.type, options) if speculating else None
     cache = make_cache(cfg.cache, cfg.arena, model, max_tokens, cfg.prefill_chunk,
                        verify_width=1 + spec.n_max if speculating else 1,
                        pinned_bytes=chain.get("draft").estimated_bytes() if "draft" in options else 0)
     if not speculating:
-        return RunResult(generate(model, cache, prompt, cfg.max_new_tokens, sampler, stop_ids=stop,
+        return RunResult(generate(step, cache, prompt, cfg.max_new_tokens, sampler, stop_ids=stop,
                                   prefill_chunk=cfg.prefill_chunk, on_token=on_token), None, None, cache)
     control = None
     if "draft" in options:
         control = DraftControl(chain.get("draft"), cache, eject_policy(cfg.policy))
     p = cfg.policy
     g = speculative_generate(
-        model, cache, prompt, cfg.max_new_tokens, sampler, chain, n_max=spec.n_max, stop_ids=stop,
+        step, cache, prompt, cfg.max_new_tokens, sampler, chain, n_max=spec.n_max, stop_ids=stop,
         prefill_chunk=cfg.prefill_chunk, on_token=on_token, synthetic_acceptance=spec.synthetic_acceptance,
         length_policy=draft_length.build(p.draft_length, n=spec.n_max) if p.draft_length == "fixed"
         else draft_length.build(p.draft_length),

@@ -96,3 +96,49 @@ def test_cuda_pinned_draft_is_lossless_and_cycles_leave_memory_flat(tmp_path):
     torch.cuda.synchronize()
     assert (c.arena.top, c.arena.pinned, c.layout) == state
     assert torch.cuda.memory_allocated() == mem  # every draft byte lives in the arena
+
+
+@pytest.mark.parametrize("mode, ring, pages", [("resident", None, None), ("stream", 8, 6), ("stream", 2, 6)])
+def test_graphed_decode_is_bit_identical_to_eager(tmp_path, mode, ring, pages):
+    """Captured decode steps (resident; streaming in one round; in several rounds, copies inside
+    the graph) give the eager logits bit for bit, across page boundaries (new plans)."""
+    import test_paged_cache as t
+    from kvstream.cuda_graph import GraphedModel
+
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
+    toks = torch.randint(0, 357, (t.PROMPT + t.DECODE,), generator=torch.Generator().manual_seed(1)).tolist()
+    new = lambda: t.paged(m, mode) if mode == "resident" else t.paged(m, mode, mib=t.small_arena_mib(m, pages, ring), ring=ring)
+    eager = t.run(m, new(), toks)
+    graphed = GraphedModel(m)
+    got = t.run(graphed, new(), toks)
+    assert torch.equal(got, eager)
+    assert graphed.captures >= 1
+
+
+def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path):
+    import test_draft as t
+    from kvstream.arena import MIB, Arena
+    from kvstream.cache_factory import make_cache
+    from kvstream.config import ArenaConfig, CacheConfig
+    from kvstream.cuda_graph import GraphedModel
+    from kvstream.draft_control import DraftControl
+    from kvstream.speculative import speculative_generate
+    from kvstream.speculators.base import Chain
+    from kvstream.speculators.draft import DraftModel, load_host
+    from kvstream.tokenizer import Tokenizer
+
+    target_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
+    m = load_model(target_file, torch.float32, "cuda")
+    host = load_host(target_file, Tokenizer.from_gguf(target_file).token_texts, torch.float32, "cuda")
+    greedy = Sampler(SamplingParams(), "cuda")
+    nbytes = DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK).pin(Arena(256 * MIB, "cuda"))
+    cache = lambda: make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(), m, 1024, t.CHUNK, 9,
+                               pinned_bytes=nbytes + MIB)
+    runs = []
+    for graphs in (False, True):
+        c, draft = cache(), DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK, graphs=graphs)
+        control = DraftControl(draft, c, t.Scripted(at=3, back=8))
+        step = GraphedModel(m) if graphs else m
+        runs.append(speculative_generate(step, c, t.PROMPT, t.NEW, greedy, Chain([draft]), n_max=8,
+                                         prefill_chunk=t.CHUNK, control=control).tokens)
+    assert runs[0] == runs[1]

@@ -29,6 +29,7 @@ import torch
 
 from ..arena import ALIGN, Arena
 from ..cache_factory import paged_bytes, reserve_slab
+from ..cuda_graph import GraphedModel
 from ..loader import open_gguf
 from ..model import Qwen, load_model
 from ..paged_cache import PagedCache
@@ -66,7 +67,7 @@ class DraftModel(Speculator):
 
     def __init__(self, host: Qwen, device: str | torch.device, *, max_tokens: int, type_k: str = "f16",
                  type_v: str = "f16", window: int = 0, n_min: int = 0, p_min: float = 0.0, chunk: int = 512,
-                 sampling: SamplingParams | None = None):
+                 sampling: SamplingParams | None = None, graphs: bool = False):
         super().__init__()
         if window and window < 2 * chunk:
             raise ValueError(f"draft window of {window} tokens must hold at least two catch-up chunks ({2 * chunk})")
@@ -75,6 +76,7 @@ class DraftModel(Speculator):
         self.type_k, self.type_v = type_k, type_v
         self.kv_tokens = window or max_tokens + 16  # + a draft's own tokens beyond the history
         self.window, self.n_min, self.p_min, self.chunk = window, n_min, p_min, chunk
+        self.graphs = graphs  # CUDA: the draft's one-token steps replay captured graphs
         params = sampling or SamplingParams()
         self.sampler = Sampler(SamplingParams(**{**vars(params), "seed": params.seed + 1}), self.device)
         self.model: Qwen | None = None
@@ -102,6 +104,8 @@ class DraftModel(Speculator):
             lambda name, t: arena.pin("draft." + name, tuple(t.shape), t.dtype).copy_(t, non_blocking=True))
         if self.slab is None:  # the draft's compute peak: one catch-up chunk (measured on CUDA)
             self.slab = reserve_slab(self.model, self.chunk)
+        if self.graphs:
+            self.model = GraphedModel(self.model)
         c = self.model.cfg
         kv = arena.pin("draft.kv", (paged_bytes(c, self.type_k, self.type_v, self.kv_tokens, self.slab),), torch.uint8)
         if self.cache is None:

@@ -1,0 +1,65 @@
+"""Decode steps as captured CUDA graphs: one capture per (width, logits kind, cache plan),
+replayed while the plan holds (DESIGN.md: static shapes, grids from shapes, lengths in device
+tensors). The host part of a step (``cache.begin``: checks, residency plan, positions and slots
+written in place into the cache's static buffers) and of its end (``cache.commit``: the
+written pages back to the host store) run eagerly around the replay; everything between,
+streaming copies included, is the graph. A new plan (every 256 tokens, or a re-layout after an
+eject) gets new graphs; the old plan's are dropped.
+
+Eager and graphed steps run the same kernels on the same bytes in the same order, so their
+logits are bit-identical (tests/test_cuda.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.decode_attention import MAX_N_Q
+
+
+class GraphedModel:
+    """Calls like the model (``graphed(tokens, cache, all_logits)``); decode widths replay graphs."""
+
+    def __init__(self, model, max_width: int = MAX_N_Q):
+        if model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, this one is on {model.device}")
+        self.model = model
+        self.tokens = torch.zeros(max_width, dtype=torch.long, device=model.device)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.plan = None
+        self.captures = 0
+
+    def __getattr__(self, name):  # cfg, device, dtype, ...: the model's
+        return getattr(self.model, name)
+
+    def __call__(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
+        n = tokens.shape[0]
+        if n > self.tokens.shape[0] or not hasattr(cache, "plan_key"):
+            return self.model(tokens, cache, all_logits)  # prefill chunks, caches without static buffers
+        pos = cache.begin(n)
+        plan = (id(cache), cache.plan_key())
+        if plan != self.plan:  # a new plan: the old graphs will not replay again
+            self.graphs.clear()
+            self.plan = plan
+        key = (n, all_logits)
+        self.tokens[:n].copy_(tokens)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(n, pos, cache, all_logits)
+        graph, out = self.graphs[key]
+        graph.replay()
+        cache.commit()
+        return out
+
+    def _capture(self, n, pos, cache, all_logits):
+        body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (Triton compiles, allocator)
+            body()  # rewrites the same rows the replay writes: idempotent
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = body()
+        self.captures += 1
+        return graph, out
