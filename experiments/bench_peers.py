@@ -3,14 +3,17 @@ llama.cpp (through llama-cpp-python: q8_0 K / q4_0 V, flash attention, every lay
 GPU) and HF transformers with its static cache. Greedy decode of ``--new-tokens`` after a
 ``--context``-token prompt (standard-library source + a review instruction, chat template).
 
-    python experiments/bench_peers.py --model qwen2.5-coder-0.5b --device cpu --contexts 1024 --new-tokens 64
-    python experiments/bench_peers.py --model qwen2.5-coder-1.5b --device cuda --contexts 4096 32768
+    python -m experiments.bench_peers --model qwen2.5-coder-0.5b --device cpu --contexts 1024 --new-tokens 64
+    python -m experiments.bench_peers --model qwen2.5-coder-1.5b --device cuda --contexts 4096 32768
 
-Arms: ``kvstream-resident`` (every page in the arena), ``kvstream-stream`` (stream mode with
-an arena that holds everything: streaming overhead when nothing streams), ``llama.cpp``,
-``transformers-static``. An arm whose package is missing is reported as skipped. Writes
-``<out>/<device>_<model>.csv`` and a PNG; decode tok/s counts the tokens after the first
-(the first comes from the prefill's logits) over the time after the prefill.
+Arms: ``kvstream-resident`` (every page in the arena; CUDA-graph decode steps on CUDA),
+``kvstream-resident-eager`` (the same, ``engine.cuda_graphs=false``: the graph speed-up),
+``kvstream-stream`` (stream mode with an arena that holds everything: streaming overhead when
+nothing streams), ``llama.cpp``, ``transformers-static``. An arm whose package is missing is
+reported as skipped. Writes ``<out>/<device>_<model>.csv`` and a PNG; decode tok/s counts the
+tokens after the first (the first comes from the prefill's logits) over the time after the
+prefill. ``--profile`` adds ``<out>/profile_<device>_<model>_<context>.csv``: the CUDA time of
+one eager kvstream decode step per kernel (torch.profiler), the explanation of the speed.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pandas as pd
 import torch
 
 from experiments.draft_threshold import review_prompt
-from kvstream.config import ArenaConfig, CacheConfig, GenerateConfig, Hardware
+from kvstream.config import ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware
 from kvstream.loader import open_gguf
 from kvstream.model import load_model
 from kvstream.registry import resolve_model
@@ -39,15 +42,50 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kvstream_arm(path, prompt, new, device, mode):
+MODELS = {}  # path -> (model, tokenizer): the kvstream arms share one load
+
+
+def kvstream_config(device, mode, new, graphs=True):
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    cfg = GenerateConfig(hardware=Hardware(device, dtype), cache=CacheConfig(mode=mode), arena=ArenaConfig("auto"),
-                         max_new_tokens=new, ignore_eos=True)
-    reader = open_gguf(path)
-    model, tok = load_model(reader, cfg.hardware.torch_dtype, device), Tokenizer.from_gguf(reader)
-    run_decode(replace(cfg, max_new_tokens=8), model, tok, prompt[:512])  # warm-up
+    return GenerateConfig(hardware=Hardware(device, dtype), cache=CacheConfig(mode=mode), arena=ArenaConfig("auto"),
+                          max_new_tokens=new, ignore_eos=True, engine=EngineConfig(cuda_graphs=graphs))
+
+
+def kvstream_model(path, cfg):
+    if path not in MODELS:
+        reader = open_gguf(path)
+        MODELS[path] = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device), Tokenizer.from_gguf(reader)
+    return MODELS[path]
+
+
+def kvstream_arm(path, prompt, new, device, mode, graphs=True):
+    cfg = kvstream_config(device, mode, new, graphs)
+    model, tok = kvstream_model(path, cfg)
+    run_decode(replace(cfg, max_new_tokens=8), model, tok, prompt[:512])  # warm-up (compiles, captures)
     g = run_decode(cfg, model, tok, prompt).generation
     return g.stats.decode_tok_s, g.stats.prefill_tok_s, g.tokens
+
+
+def kvstream_profile(path, prompt, device, steps=8) -> pd.DataFrame:
+    """CUDA time per eager decode step, by kernel (the profile that explains the tok/s)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = kvstream_config(device, "resident", steps + 1, graphs=False)
+    model, tok = kvstream_model(path, cfg)
+    run_decode(replace(cfg, max_new_tokens=2), model, tok, prompt[:512])  # warm-up
+    short = prompt[:len(prompt) - 1]
+    run_decode(replace(cfg, max_new_tokens=1), model, tok, short)  # the same prefill, to subtract
+    with profile(activities=[ProfilerActivity.CUDA]) as prof_prefill:
+        run_decode(replace(cfg, max_new_tokens=1), model, tok, short)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_decode(cfg, model, tok, short)
+    def table(p):
+        return {e.key: (e.device_time_total, e.count) for e in p.key_averages() if e.device_time_total > 0}
+    pre, full = table(prof_prefill), table(prof)
+    rows = [{"kernel": k, "us_per_step": (t - pre.get(k, (0, 0))[0]) / steps,
+             "calls_per_step": (c - pre.get(k, (0, 0))[1]) / steps} for k, (t, c) in full.items()]
+    df = pd.DataFrame(rows).sort_values("us_per_step", ascending=False)
+    return df[df.calls_per_step > 0]
 
 
 def llama_cpp_arm(path, prompt, new, device):
@@ -80,7 +118,8 @@ def transformers_arm(path, prompt, new, device):
                                                  dtype=dtype).to(device)
     ids = torch.tensor([prompt], device=device)
     kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
-    model.generate(ids[:, :512], max_new_tokens=8, **kw)  # warm-up
+    for n in (1, new):  # warm-up at the measured shapes: compilation stays out of the timings
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
     sync(device)
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=1, **kw)
@@ -95,6 +134,7 @@ def transformers_arm(path, prompt, new, device):
 
 ARMS = {
     "kvstream-resident": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "resident"),
+    "kvstream-resident-eager": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "resident", graphs=False),
     "kvstream-stream": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "stream"),
     "llama.cpp": llama_cpp_arm,
     "transformers-static": transformers_arm,
@@ -109,6 +149,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--arms", nargs="+", default=list(ARMS))
     ap.add_argument("--out", default="results/peers")
+    ap.add_argument("--profile", action="store_true", help="also write each context's eager per-kernel profile")
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = Tokenizer.from_gguf(path)
@@ -124,7 +165,14 @@ def main() -> None:
             rows.append({"arm": arm, "model": args.model, "device": args.device, "context": context,
                          "new_tokens": args.new_tokens, "decode_tok_s": decode, "prefill_tok_s": prefill,
                          "first_tokens": " ".join(map(str, tokens[:16]))})
-            print(f"{arm:20s} context {context:6d}: decode {decode:7.2f} tok/s, prefill {prefill:8.1f} tok/s", flush=True)
+            print(f"{arm:24s} context {context:6d}: decode {decode:7.2f} tok/s, prefill {prefill:8.1f} tok/s", flush=True)
+        if args.profile and args.device.startswith("cuda"):
+            prof = kvstream_profile(path, prompt, args.device)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            prof.to_csv(Path(args.out) / f"profile_cuda_{args.model}_{context}.csv", index=False)
+            print(prof.head(12).to_string(index=False))
+            print(f"sum {prof.us_per_step.sum():.0f} us of CUDA time per eager step, "
+                  f"{prof.calls_per_step.sum():.0f} kernels", flush=True)
     df = pd.DataFrame(rows)
     base = df[df.arm == "kvstream-resident"].set_index("context")["decode_tok_s"]
     df["kvstream_resident_over_arm"] = df.apply(lambda r: base.get(r.context, float("nan")) / r.decode_tok_s, axis=1)

@@ -49,7 +49,7 @@ class GraphedModel:
         graph, out = self.graphs[key]
         graph.replay()
         cache.commit()
-        return out
+        return out.clone()  # the graph's output buffer is rewritten by the next replay
 
     def _capture(self, n, pos, cache, all_logits):
         body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits)

@@ -216,7 +216,11 @@ class PagedCache(CacheBase):
                 self.tables_host[l, p] = self._pool_slot(l, j)
         self.tables.copy_(self.tables_host)
         self._n_pages = n_pages
-        self._plan_version = getattr(self, "_plan_version", 0) + 1
+        # a captured step depends on the plan only through its copies and round keys: with
+        # nothing streamed, the one round reads the table in place, so a new page keeps graphs
+        version = getattr(self, "_plan_version", 0) + 1
+        streams = len(self.rounds) > 1 or bool(self.rounds[0][2])
+        self._plan_version, self._plan_sig = version, version if streams else "resident"
 
     def _half(self, layer: int, r: int) -> int:
         return (layer * len(self.rounds) + r) % 2  # consecutive rounds alternate ring halves
@@ -270,7 +274,7 @@ class PagedCache(CacheBase):
 
     def plan_key(self) -> tuple:
         """What a captured step depends on besides the static buffers: layout and plan."""
-        return (self._layout_version, self._plan_version)
+        return (self._layout_version, self._plan_sig)
 
     def _prefetch(self, layer: int, r: int) -> None:
         if layer >= self.n_layers:
