@@ -89,25 +89,24 @@ def kvstream_profile(path, prompt, device, steps=8) -> pd.DataFrame:
 
 
 def llama_cpp_arm(path, prompt, new, device):
-    import llama_cpp
+    """llama.cpp in a child process (experiments/peer_llama_cpp.py says why)."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    import tempfile
 
-    llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + new + 16, n_gpu_layers=-1 if device.startswith("cuda") else 0,
-                          flash_attn=True, type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q4_0,
-                          n_batch=512, logits_all=False, verbose=False)
-    import numpy as np
-
-    vocab = llm.n_vocab()
-    last = lambda: int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,)).argmax())
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    t1 = time.perf_counter()
-    out = [last()]
-    t2 = time.perf_counter()
-    for _ in range(new - 1):  # greedy, one token per eval: the same loop as kvstream's decode
-        llm.eval([out[-1]])
-        out.append(last())
-    t3 = time.perf_counter()
-    return (new - 1) / (t3 - t2), len(prompt) / (t1 - t0), out
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise ImportError("llama_cpp (llama-cpp-python) is not installed")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(prompt, f)
+        f.flush()
+        run = subprocess.run([sys.executable, "-m", "experiments.peer_llama_cpp", str(path), f.name, str(new), device],
+                             capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"llama.cpp child failed ({run.returncode}): {run.stderr[-2000:]}")
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    return r["decode_tok_s"], r["prefill_tok_s"], r["tokens"]
 
 
 def transformers_arm(path, prompt, new, device):

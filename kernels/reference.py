@@ -187,3 +187,34 @@ def decode_attention(q, k_pool, v_pool, page_table, seq_len, k_fmt, v_fmt, scale
     """Attention output float32 [n_q, n_heads, D]; see decode_attention_partials."""
     return finalize(decode_attention_partials(q, k_pool, v_pool, page_table, seq_len, k_fmt,
                                               v_fmt, scale, key_start, key_end))
+
+
+# ---- the layer's elementwise operations (kernels/rms_norm.py, rope.py, swiglu.py) ----------
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()  # the variance in fp32 whatever the compute dtype, as HF and llama.cpp do
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s) * w) with s = x + delta (s = x without delta)."""
+    s = x if delta is None else x + delta
+    return s, rms_norm(s, w, eps)
+
+
+def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [n, 1, D/2] in dtype for positions pos [n]."""
+    freqs = pos.float()[:, None] * inv_freq[None, :]
+    return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, D]; cos/sin [n, 1, D/2] (NEOX halves)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -63,3 +63,17 @@ class GraphedModel:
             out = body()
         self.captures += 1
         return graph, out
+
+
+def warm_widths(step, cache, widths) -> None:
+    """Run each decode (width, all_logits) once at the cache's end and roll it back (CUDA only):
+    Triton compiles each kernel variant (the attention kernel per query count) and a
+    GraphedModel captures each width here, in setup, not in the first timed steps that use
+    them. Rows written past the length are dropped by the rollback, as a rejected draft's are."""
+    if step.device.type != "cuda":
+        return
+    n = cache.length
+    for width, all_logits in widths:
+        if n + width <= getattr(cache, "max_tokens", n + width):
+            step(torch.zeros(width, dtype=torch.long, device=step.device), cache, all_logits)
+            cache.truncate(n)

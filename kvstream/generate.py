@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cuda_graph import warm_widths
 from .sampling import Sampler
 from .telemetry import StepRecord
 
@@ -61,13 +62,16 @@ def prefill(model, cache, prompt: list[int], chunk: int) -> torch.Tensor:
     return logits[-1]
 
 
-def prefill_phase(model, cache, prompt: list[int], chunk: int) -> tuple[torch.Tensor, float]:
-    """The prefill phase, timed: the prompt in chunks, then the cache switches to decode.
-    Returns the last logits [vocab] and the seconds it took (device synchronised)."""
+def prefill_phase(model, cache, prompt: list[int], chunk: int, widths=((1, False),)) -> tuple[torch.Tensor, float]:
+    """The prefill phase, timed: the prompt in chunks, then the cache switches to decode and
+    (CUDA) the decode ``widths`` are compiled and captured (``warm_widths``). Returns the last
+    logits [vocab] and the seconds it took (device synchronised)."""
     _sync(model.device)
     t0 = time.perf_counter()
     logits = prefill(model, cache, prompt, chunk)
     cache.set_phase("decode")
+    with torch.inference_mode():
+        warm_widths(model, cache, widths)
     _sync(model.device)
     return logits, time.perf_counter() - t0
 

@@ -14,7 +14,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
 
+from kernels.reference import rms_norm
+
 from .cache import ContiguousCache
+from .layer_ops import LayerOps
 from .loader import ModelConfig, load_weights, open_gguf, read_config
 
 
@@ -50,17 +53,6 @@ class Layer:
         )
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()  # the variance in fp32 whatever the compute dtype, as HF and llama.cpp do
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [n, heads, D]; cos/sin [n, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class Qwen:
     """Weights of a Qwen2/Qwen3 model and its forward pass."""
 
@@ -71,6 +63,7 @@ class Qwen:
         self.out_norm = w["output_norm.weight"]
         self.lm_head = self.embed if cfg.tied_output else w["output.weight"]
         self.layers = [Layer.from_weights(w, i) for i in range(cfg.n_layers)]
+        self.ops = LayerOps(self.embed.device)
         d = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.embed.device) / d))
 
@@ -95,32 +88,28 @@ class Qwen:
     def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
         """The device side of ``forward`` between ``cache.begin`` and ``cache.commit``: no host
         decisions, no host syncs, so a decode step can be captured as a CUDA graph."""
-        cfg = self.cfg
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_eps
         n = tokens.shape[0]
         cache.start_step()
-        freqs = pos.float()[:, None] * self.inv_freq[None, :]
-        cos = freqs.cos().to(self.dtype)[:, None, :]
-        sin = freqs.sin().to(self.dtype)[:, None, :]
-        x = F.embedding(tokens, self.embed)
+        angles = ops.angles(pos, self.inv_freq, self.dtype)
+        x, delta = F.embedding(tokens, self.embed), None
         H, D = cfg.n_heads, cfg.head_dim
         qk_width = (H + cfg.n_kv_heads) * D
         for i, L in enumerate(self.layers):
-            h = rms_norm(x, L.attn_norm, cfg.rms_eps)
+            x, h = ops.add_rms_norm(x, L.attn_norm, eps, delta)  # the previous block's residual add too
             qkv = F.linear(h, L.wqkv, L.bqkv)
-            # q and k heads side by side: one RoPE over both (half the elementwise launches per layer)
+            # q and k heads side by side: one RoPE over both
             qk = qkv[:, :qk_width].view(n, -1, D)
             v = qkv[:, qk_width:].view(n, cfg.n_kv_heads, D)
             if L.q_norm is not None:
-                qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, cfg.rms_eps), rms_norm(qk[:, H:], L.k_norm, cfg.rms_eps)), 1)
-            qk = rope(qk, cos, sin)
+                qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)), 1)
+            qk = ops.rope(qk, angles, self.inv_freq)
             a = cache.attend(i, qk[:, :H], qk[:, H:], v).reshape(n, H * D)
-            x = x + F.linear(a, L.wo)
-            h = rms_norm(x, L.ffn_norm, cfg.rms_eps)
-            gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L.w_down)
+            x, h = ops.add_rms_norm(x, L.ffn_norm, eps, F.linear(a, L.wo))
+            delta = F.linear(ops.silu_mul(F.linear(h, L.w_gate_up)), L.w_down)
         if not all_logits:
-            x = x[-1:]
-        return F.linear(rms_norm(x, self.out_norm, cfg.rms_eps), self.lm_head).float()
+            x, delta = x[-1:], delta[-1:]
+        return F.linear(ops.add_rms_norm(x, self.out_norm, eps, delta)[1], self.lm_head).float()
 
     __call__ = forward
 
@@ -148,6 +137,7 @@ class Qwen:
         other.layers = [replace(L, **{f.name: new[f"{i}.{f.name}"] for f in fields(L) if getattr(L, f.name) is not None})
                         for i, L in enumerate(self.layers)]
         other.inv_freq = self.inv_freq.to(other.embed.device)
+        other.ops = LayerOps(other.embed.device)
         return other
 
     def new_cache(self, max_tokens: int):

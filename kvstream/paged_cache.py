@@ -136,9 +136,10 @@ class PagedCache(CacheBase):
         self.slot: dict[int, int] = {}  # resident logical page -> index in [0, capacity)
         self.tables_host = torch.zeros((self.n_layers, self.max_pages), dtype=torch.int32)
         self.tables = torch.zeros_like(self.tables_host, device=self.device)
-        self._pos = torch.zeros(MAX_N_Q, dtype=torch.int64, device=self.device)
-        self._slots = torch.zeros((self.n_layers, MAX_N_Q), dtype=torch.int64, device=self.device)
-        self._len = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if not hasattr(self, "_pos"):  # static step buffers: made once, kept across re-layouts
+            self._pos = torch.zeros(MAX_N_Q, dtype=torch.int64, device=self.device)
+            self._slots = torch.zeros((self.n_layers, MAX_N_Q), dtype=torch.int64, device=self.device)
+            self._len = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._layout_version = getattr(self, "_layout_version", 0) + 1
         self.rounds: list[tuple[int, int, list[int]]] = []  # (first page, end page, streamed pages)
         self._n_pages = 0

@@ -92,7 +92,8 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     stop = set(stop_ids)
     dev = model.device
     length_policy = length_policy or Fixed(n_max)
-    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
+    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk,
+                                      widths=[(w, True) for w in range(1, n_max + 2)])
     t0 = time.perf_counter()
     chain.begin(prompt)  # a draft model reads the prompt here: part of the prefill phase
     _sync(dev)

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels.decode_attention import MAX_N_Q
+
 from ..arena import ALIGN, Arena
 from ..cache_factory import paged_bytes, reserve_slab
-from ..cuda_graph import GraphedModel
+from ..cuda_graph import GraphedModel, warm_widths
 from ..loader import open_gguf
 from ..model import Qwen, load_model
 from ..paged_cache import PagedCache
@@ -166,6 +168,8 @@ class DraftModel(Speculator):
             self._truncate(min(_common_prefix(self.fed, list(prompt)), len(prompt) - 1))
             if len(self.fed) < len(prompt) - 1:
                 self._feed(list(prompt[len(self.fed):-1]))
+            with torch.inference_mode():  # CUDA: a draft step or catch-up of up to MAX_N_Q tokens
+                warm_widths(self.model, self.cache, [(w, False) for w in range(1, MAX_N_Q + 1)])
 
     def _propose(self, history: list[int], n_max: int, state) -> list[int]:
         if self.model is None:

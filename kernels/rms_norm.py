@@ -1,0 +1,50 @@
+"""Residual add + RMSNorm in one kernel: the decode step's norms were 8 launches each (cast,
+pow, mean, add, rsqrt, mul, cast, mul) and the residual add one more, ~45% of the kernels of a
+graphed step (results/peers profiles). One program per row.
+
+``add_rms_norm(x, w, eps, delta)`` returns ``(s, rms_norm(s) * w)`` with ``s = x + delta``
+(``s = x`` when delta is None), rounded as ``kernels.reference.add_rms_norm`` rounds: the sum
+once to the input dtype, the variance in fp32, the normalised row once, the product with the
+weight once. Only the fp32 summation order differs from the reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(x, delta, w, s_out, y_out, row_stride, hidden, eps,
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    m = o < hidden
+    v = tl.load(x + row * row_stride + o, mask=m, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta + row * hidden + o, mask=m, other=0.0)
+        v = (v.to(tl.float32) + d.to(tl.float32)).to(v.dtype)
+        tl.store(s_out + row * hidden + o, v, mask=m)
+    f = v.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(f * f, axis=0) / hidden + eps)
+    normed = (f * rstd).to(v.dtype).to(tl.float32)
+    g = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_out + row * hidden + o, (normed * g).to(v.dtype), mask=m)
+
+
+def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, hidden] (rows may be strided), w [hidden], delta [n, hidden] contiguous or None."""
+    if x.dim() != 2 or x.stride(-1) != 1 or w.shape != (x.shape[1],):
+        raise ValueError(f"x must be [n, hidden] with contiguous rows and w [hidden], got "
+                         f"{tuple(x.shape)} stride {x.stride()} and w {tuple(w.shape)}")
+    if delta is not None and (delta.shape != x.shape or not delta.is_contiguous() or delta.dtype != x.dtype):
+        raise ValueError(f"delta must be contiguous {tuple(x.shape)} {x.dtype}, got {tuple(delta.shape)} "
+                         f"{delta.dtype} contiguous={delta.is_contiguous()}")
+    n, hidden = x.shape
+    y = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+    s = torch.empty_like(y) if delta is not None else x
+    block = triton.next_power_of_2(hidden)
+    _add_rms_norm_kernel[(n,)](x, delta if delta is not None else x, w, s, y, x.stride(0), hidden, eps,
+                               HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return s, y

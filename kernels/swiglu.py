@@ -1,0 +1,34 @@
+"""SwiGLU activation: ``silu(gate) * up`` from the fused gate/up matmul output in one kernel
+(torch: a chunk, a silu and a product, two launches and a temporary).
+
+``silu_mul(gu)``: gu [n, 2F] (gate columns first) -> [n, F], rounded as
+``kernels.reference.silu_mul``: silu once to gu's dtype, the product once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_mul_kernel(gu, out, ffn, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < ffn
+    g = tl.load(gu + row * 2 * ffn + o, mask=m, other=0.0)
+    u = tl.load(gu + row * 2 * ffn + ffn + o, mask=m, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    tl.store(out + row * ffn + o, (act * u.to(tl.float32)).to(g.dtype), mask=m)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    if gu.dim() != 2 or not gu.is_contiguous() or gu.shape[1] % 2:
+        raise ValueError(f"gu must be a contiguous [n, 2 * ffn], got {tuple(gu.shape)} contiguous={gu.is_contiguous()}")
+    n, ffn = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty((n, ffn), dtype=gu.dtype, device=gu.device)
+    _silu_mul_kernel[(n, triton.cdiv(ffn, BLOCK))](gu, out, ffn, BLOCK=BLOCK, num_warps=4)
+    return out
