@@ -168,7 +168,7 @@ def main() -> None:
         if args.profile and args.device.startswith("cuda"):
             prof = kvstream_profile(path, prompt, args.device)
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            prof.to_csv(Path(args.out) / f"profile_cuda_{args.model}_{context}.csv", index=False)
+            prof.to_csv(Path(args.out) / f"profile_cuda_{Path(args.model).name}_{context}.csv", index=False)
             print(prof.head(12).to_string(index=False))
             print(f"sum {prof.us_per_step.sum():.0f} us of CUDA time per eager step, "
                   f"{prof.calls_per_step.sum():.0f} kernels", flush=True)
@@ -177,7 +177,7 @@ def main() -> None:
     df["kvstream_resident_over_arm"] = df.apply(lambda r: base.get(r.context, float("nan")) / r.decode_tok_s, axis=1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{args.device.split(':')[0]}_{args.model}"
+    name = f"{args.device.split(':')[0]}_{Path(args.model).name}"
     df.to_csv(out / f"{name}.csv", index=False)
     print(df.drop(columns=["first_tokens"]).to_string(index=False))
     import matplotlib

@@ -28,9 +28,9 @@ def _rope_kernel(x, pos, inv_freq, out, token_stride, head_stride, n_heads,
     c = tl.cos(ang).to(x1.dtype).to(tl.float32)
     s = tl.sin(ang).to(x1.dtype).to(tl.float32)
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    r = lambda v: v.to(x1.dtype).to(tl.float32)  # one rounding per torch op of the reference
-    o1 = r(a1 * c) - r(a2 * s)
-    o2 = r(a2 * c) + r(a1 * s)
+    dt = x1.dtype  # one rounding per torch op of the reference
+    o1 = (a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)
+    o2 = (a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)
     dst = out + t * n_heads * 2 * HALF + h * 2 * HALF + j
     tl.store(dst, o1.to(x1.dtype), mask=m)
     tl.store(dst + HALF, o2.to(x1.dtype), mask=m)

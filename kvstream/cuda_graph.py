@@ -40,13 +40,16 @@ class GraphedModel:
         pos = cache.begin(n)
         plan = (id(cache), cache.plan_key())
         if plan != self.plan:  # a new plan: the old graphs will not replay again
-            self.graphs.clear()
+            if self.graphs:  # freeing every graph of a pool frees the pool: captures need a new one
+                self.graphs.clear()
+                self.pool = torch.cuda.graph_pool_handle()
             self.plan = plan
         key = (n, all_logits)
         self.tokens[:n].copy_(tokens)
         if key not in self.graphs:
             self.graphs[key] = self._capture(n, pos, cache, all_logits)
         graph, out = self.graphs[key]
+        cache.order_copies()  # eager copies (the last commit's) come before the graph's own
         graph.replay()
         cache.commit()
         return out.clone()  # the graph's output buffer is rewritten by the next replay

@@ -273,6 +273,12 @@ class PagedCache(CacheBase):
                 e.record(torch.cuda.current_stream())
         self._prefetch(0, 0)
 
+    def order_copies(self) -> None:
+        """Eagerly, copies on the copy stream are ordered by the stream itself; a replayed graph's
+        copies run on a stream of the graph's, so they must wait for the eager ones (the last
+        commit's write-back to the host store, which a streamed page may be read from)."""
+        self.copier.wait()
+
     def plan_key(self) -> tuple:
         """What a captured step depends on besides the static buffers: layout and plan."""
         return (self._layout_version, self._plan_sig)
