@@ -3,11 +3,13 @@ replayed while the plan holds (DESIGN.md: static shapes, grids from shapes, leng
 tensors). The host part of a step (``cache.begin``: checks, residency plan, positions and slots
 written in place into the cache's static buffers) and of its end (``cache.commit``: the
 written pages back to the host store) run eagerly around the replay; everything between,
-streaming copies included, is the graph. A new plan (every 256 tokens, or a re-layout after an
-eject) gets new graphs; the old plan's are dropped.
+streaming copies included, is the graph. A plan that streams pages gets new graphs when its
+copies change (every 256 tokens); a resident plan keeps them (the page table is read in
+place); a re-layout (phase switch, draft eject / re-enable) drops them.
 
 Eager and graphed steps run the same kernels on the same bytes in the same order, so their
-logits are bit-identical (tests/test_cuda.py).
+logits are bit-identical: tested on the H200 up to 1K tokens (tests/test_cuda.py). Two open
+bugs (README, "Known bugs"): other tokens than eager at 32K, and around a draft eject.
 """
 
 from __future__ import annotations
