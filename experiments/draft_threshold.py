@@ -194,7 +194,7 @@ def analyze(study: Path) -> None:
         print(f"no finished cells in {study}: nothing to analyse")
         return
     if files:  # else a steps.csv gathered elsewhere (the per-cell files were not kept)
-        pd.concat([pd.read_csv(f) for f in files]).to_csv(study / "steps.csv", index=False)
+        pd.concat([pd.read_csv(f, dtype={"run_id": str}) for f in files]).to_csv(study / "steps.csv", index=False)
     try:
         crossover.main([str(study)])
         print("figure:", plot_draft_thresholds.plot(study))

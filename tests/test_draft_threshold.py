@@ -41,7 +41,7 @@ def test_cells_write_rows_resume_and_analyse(tiny, tmp_path):
         for context in (300, 700):
             assert run_cell(study_cfg(tiny, tmp_path, arm=arm, context=context)) is not None
     assert run_cell(study_cfg(tiny, tmp_path, arm="keep", context=700)) is None  # finished: skipped
-    runs = pd.read_csv(tmp_path / "t" / "runs.csv")
+    runs = pd.read_csv(tmp_path / "t" / "runs.csv", dtype={"run_id": str})
     assert len(runs) == 6 and runs["run_id"].is_unique
     assert set(runs["arm"]) == {"none", "keep", "onset"}
     assert (runs["new_tokens"] == 24).all() and (runs["decode_tok_s"] > 0).all()
@@ -53,7 +53,7 @@ def test_cells_write_rows_resume_and_analyse(tiny, tmp_path):
     analyze(tmp_path / "t")
     for name in ("steps.csv", "decode_table.csv", "crossover.json", "best_threshold.csv", "draft_thresholds.png"):
         assert (tmp_path / "t" / name).stat().st_size > 0, name
-    steps = pd.read_csv(tmp_path / "t" / "steps.csv")
+    steps = pd.read_csv(tmp_path / "t" / "steps.csv", dtype={"run_id": str})
     assert set(steps["run_id"]) == set(runs["run_id"])
 
 
@@ -112,3 +112,13 @@ def test_size_arena_puts_the_onset_where_asked(tiny, tmp_path):
     mib = arena_for(cfg, 3, generous_mib=8.0)
     assert capacity_with_draft(cfg, mib)[0] == 3
     assert capacity_with_draft(cfg, mib - 0.06)[0] == 2  # one page pair (0.05 MiB) less: one page/layer fewer
+
+
+def test_gathered_steps_keep_run_ids_that_look_like_numbers(tmp_path):
+    """A 12-hex-digit run id such as 187938e31365 reads as a float (here inf) unless read as text."""
+    (tmp_path / "steps").mkdir()
+    pd.DataFrame({"run_id": ["187938e31365"], "arm": ["none"]}).to_csv(tmp_path / "runs.csv", index=False)
+    pd.DataFrame({"step": [0], "step_s": [0.1], "run_id": ["187938e31365"]}).to_csv(
+        tmp_path / "steps" / "187938e31365.csv", index=False)
+    analyze(tmp_path)  # the tables need more than one row: only the gathering matters here
+    assert pd.read_csv(tmp_path / "steps.csv", dtype={"run_id": str})["run_id"].tolist() == ["187938e31365"]
