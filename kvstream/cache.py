@@ -34,9 +34,6 @@ class CacheBase:
     def set_phase(self, phase: str) -> None:
         """Re-lay memory for a phase ("prefill", "decode"); nothing to do without an arena."""
 
-    def order_copies(self) -> None:
-        """Make the compute stream wait for this cache's pending eager copies (before a replay)."""
-
     def start_step(self) -> None:
         """The device side of a forward pass begins (a streaming cache starts its copies)."""
 

@@ -51,7 +51,6 @@ class GraphedModel:
         if key not in self.graphs:
             self.graphs[key] = self._capture(n, pos, cache, all_logits)
         graph, out = self.graphs[key]
-        cache.order_copies()  # eager copies (the last commit's) come before the graph's own
         graph.replay()
         cache.commit()
         return out.clone()  # the graph's output buffer is rewritten by the next replay

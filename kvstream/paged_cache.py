@@ -91,6 +91,11 @@ class PagedCache(CacheBase):
         self.slabs = slabs  # phase -> compute slab bytes (from the reserve passes)
         self.verify_width = verify_width  # the widest decode batch the decode slab was reserved for
         self.phase = "prefill"
+        # static step buffers, written in place by begin: a captured step (kvstream.cuda_graph) reads them
+        self._pos = torch.zeros(MAX_N_Q, dtype=torch.int64, device=self.device)
+        self._slots = torch.zeros((n_layers, MAX_N_Q), dtype=torch.int64, device=self.device)
+        self._len = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._layout_version = self._plan_version = 0
         self.relayout(slabs["prefill"])
 
     def set_phase(self, phase: str) -> None:
@@ -136,11 +141,7 @@ class PagedCache(CacheBase):
         self.slot: dict[int, int] = {}  # resident logical page -> index in [0, capacity)
         self.tables_host = torch.zeros((self.n_layers, self.max_pages), dtype=torch.int32)
         self.tables = torch.zeros_like(self.tables_host, device=self.device)
-        if not hasattr(self, "_pos"):  # static step buffers: made once, kept across re-layouts
-            self._pos = torch.zeros(MAX_N_Q, dtype=torch.int64, device=self.device)
-            self._slots = torch.zeros((self.n_layers, MAX_N_Q), dtype=torch.int64, device=self.device)
-            self._len = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._layout_version = getattr(self, "_layout_version", 0) + 1
+        self._layout_version += 1
         self.rounds: list[tuple[int, int, list[int]]] = []  # (first page, end page, streamed pages)
         self._n_pages = 0
         self._plan(-(-self.length // PAGE_TOKENS), upload_below=-(-self.length // PAGE_TOKENS))
@@ -219,9 +220,9 @@ class PagedCache(CacheBase):
         self._n_pages = n_pages
         # a captured step depends on the plan only through its copies and round keys: with
         # nothing streamed, the one round reads the table in place, so a new page keeps graphs
-        version = getattr(self, "_plan_version", 0) + 1
+        self._plan_version += 1
         streams = len(self.rounds) > 1 or bool(self.rounds[0][2])
-        self._plan_version, self._plan_sig = version, version if streams else "resident"
+        self._plan_sig = self._plan_version if streams else "resident"
 
     def _half(self, layer: int, r: int) -> int:
         return (layer * len(self.rounds) + r) % 2  # consecutive rounds alternate ring halves
@@ -249,7 +250,7 @@ class PagedCache(CacheBase):
         # once per step, not per layer: every layer's slot of each new row, and the length as
         # the kernels read it (a device scalar on CUDA: no per-layer host->device fill)
         slots = self.tables[:, pos // PAGE_TOKENS].long() * PAGE_TOKENS + pos % PAGE_TOKENS
-        if n <= MAX_N_Q:  # decode widths: in place, so a captured step (kvstream.cuda_graph) reads them
+        if n <= MAX_N_Q:  # decode widths: into the static buffers
             self._pos[:n].copy_(pos)
             self._slots[:, :n].copy_(slots)
             pos, slots = self._pos[:n], self._slots[:, :n]
@@ -272,12 +273,6 @@ class PagedCache(CacheBase):
             for e in self.copier.free:
                 e.record(torch.cuda.current_stream())
         self._prefetch(0, 0)
-
-    def order_copies(self) -> None:
-        """Eagerly, copies on the copy stream are ordered by the stream itself; a replayed graph's
-        copies run on a stream of the graph's, so they must wait for the eager ones (the last
-        commit's write-back to the host store, which a streamed page may be read from)."""
-        self.copier.wait()
 
     def plan_key(self) -> tuple:
         """What a captured step depends on besides the static buffers: layout and plan."""
