@@ -19,6 +19,7 @@ class GenerationStats:
     new_tokens: int
     prefill_s: float
     decode_s: float
+    warm_s: float = 0.0  # compiling and capturing the decode widths (CUDA): setup, in neither of the above
 
     @property
     def prefill_tok_s(self) -> float:
@@ -31,7 +32,8 @@ class GenerationStats:
         return steps / self.decode_s if steps > 0 and self.decode_s else float("nan")
 
     def line(self) -> str:
-        return (f"prompt {self.prompt_tokens} tok | prefill {self.prefill_tok_s:.1f} tok/s | "
+        warm = f" | warm-up {self.warm_s:.2f} s" if self.warm_s >= 0.005 else ""
+        return (f"prompt {self.prompt_tokens} tok | prefill {self.prefill_tok_s:.1f} tok/s{warm} | "
                 f"decode {self.new_tokens} tok, {self.decode_tok_s:.1f} tok/s")
 
 
@@ -62,18 +64,27 @@ def prefill(model, cache, prompt: list[int], chunk: int) -> torch.Tensor:
     return logits[-1]
 
 
-def prefill_phase(model, cache, prompt: list[int], chunk: int, widths=((1, False),)) -> tuple[torch.Tensor, float]:
-    """The prefill phase, timed: the prompt in chunks, then the cache switches to decode and
-    (CUDA) the decode ``widths`` are compiled and captured (``warm_widths``). Returns the last
-    logits [vocab] and the seconds it took (device synchronised)."""
+def prefill_phase(model, cache, prompt: list[int], chunk: int) -> tuple[torch.Tensor, float]:
+    """The prefill phase, timed: the prompt in chunks, then the cache switches to decode.
+    Returns the last logits [vocab] and the seconds it took (device synchronised)."""
     _sync(model.device)
     t0 = time.perf_counter()
     logits = prefill(model, cache, prompt, chunk)
     cache.set_phase("decode")
-    with torch.inference_mode():
-        warm_widths(model, cache, widths)
     _sync(model.device)
     return logits, time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def warm_up(model, cache, widths, *more: Callable[[], None]) -> float:
+    """Compile and capture the decode ``widths`` (``warm_widths``, CUDA only) and run ``more``
+    warm-ups; returns the seconds (device synchronised), reported apart from prefill and decode."""
+    t0 = time.perf_counter()
+    warm_widths(model, cache, widths)
+    for f in more:
+        f()
+    _sync(model.device)
+    return time.perf_counter() - t0
 
 
 @torch.inference_mode()
@@ -84,6 +95,7 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     stop = set(stop_ids)
     dev = model.device
     logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
+    warm_s = warm_up(model, cache, [(1, False)])
     t1 = time.perf_counter()
     out: list[int] = []
     kept: list[torch.Tensor] = []
@@ -106,4 +118,5 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
         records.append(StepRecord.of(len(records), cache, 1, time.perf_counter() - ts))  # host time: no sync
     _sync(dev)
     t2 = time.perf_counter()
-    return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1), stopped, kept, records)
+    return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1, warm_s), stopped, kept,
+                      records)

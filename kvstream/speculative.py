@@ -33,7 +33,7 @@ from tqdm import tqdm
 from policies.chain_order import ChainSnapshot
 from policies.draft_length import Fixed, LengthSnapshot
 
-from .generate import Generation, GenerationStats, _sync, prefill_phase
+from .generate import Generation, GenerationStats, _sync, prefill_phase, warm_up
 from .sampling import Sampler
 from .telemetry import StepRecord
 
@@ -92,12 +92,12 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     stop = set(stop_ids)
     dev = model.device
     length_policy = length_policy or Fixed(n_max)
-    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk,
-                                      widths=[(w, True) for w in range(1, n_max + 2)])
+    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
     t0 = time.perf_counter()
     chain.begin(prompt)  # a draft model reads the prompt here: part of the prefill phase
     _sync(dev)
     prefill_s += time.perf_counter() - t0
+    warm_s = warm_up(model, cache, [(w, True) for w in range(1, n_max + 2)], chain.warm)
     t1 = time.perf_counter()
     emit = on_token or (lambda t: None)
     out = [int(sampler(logits))]
@@ -144,4 +144,5 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     _sync(dev)
     t2 = time.perf_counter()
     stopped = out[-1] if out[-1] in stop else None
-    return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1), stopped, [], records)
+    return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1, warm_s), stopped, [],
+                      records)

@@ -167,6 +167,9 @@ class Speculator(abc.ABC):
     def begin(self, prompt: Sequence[int]) -> None:
         """A new sequence starts with ``prompt`` (optional; llama.cpp's ``begin``)."""
 
+    def warm(self) -> None:
+        """Untimed setup after ``begin`` (a draft model compiles and captures its step widths)."""
+
     def reset(self) -> None:
         """Forget everything learned (tables, indices). Statistics are kept:
         ``stats.clear()`` clears them."""
@@ -244,6 +247,10 @@ class Chain:
     def begin(self, prompt: Sequence[int]) -> None:
         for s in self.speculators:
             s.begin(prompt)
+
+    def warm(self) -> None:
+        for s in self.speculators:
+            s.warm()
 
     def reset(self) -> None:
         self.last_winner = None

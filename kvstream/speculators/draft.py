@@ -168,8 +168,11 @@ class DraftModel(Speculator):
             self._truncate(min(_common_prefix(self.fed, list(prompt)), len(prompt) - 1))
             if len(self.fed) < len(prompt) - 1:
                 self._feed(list(prompt[len(self.fed):-1]))
-            with torch.inference_mode():  # CUDA: a draft step or catch-up of up to MAX_N_Q tokens
-                warm_widths(self.model, self.cache, [(w, False) for w in range(1, MAX_N_Q + 1)])
+
+    def warm(self) -> None:
+        """CUDA: compile (and capture) a draft step or catch-up of each width up to MAX_N_Q."""
+        if self.model is not None:
+            warm_widths(self.model, self.cache, [(w, False) for w in range(1, MAX_N_Q + 1)])
 
     def _propose(self, history: list[int], n_max: int, state) -> list[int]:
         if self.model is None:
