@@ -8,7 +8,6 @@ loaded on first use and kept (``DraftHosts``).
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass
 
 from policies import chain_order, draft_length, eject
@@ -58,8 +57,9 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
     """Decode ``cfg.max_new_tokens`` after ``prompt`` as ``cfg`` says."""
     spec, max_tokens = cfg.spec, len(prompt) + cfg.max_new_tokens
     speculating = spec.type != "none"
+    drafting = speculating and "draft" in parse_chain_spec(spec.type)
     graphs = cfg.engine.cuda_graphs and model.device.type == "cuda"
-    if graphs and speculating and "draft" in parse_chain_spec(spec.type) and cfg.policy.eject != "never":
+    if graphs and drafting and cfg.policy.eject != "never":
         # KNOWN BUG: graphed steps around a draft eject / re-enable gave other tokens than eager
         # ones on the H200 (tests/test_cuda.py, xfail); until it is found, such runs are eager
         warnings.warn("engine.cuda_graphs ignored: a draft that can be ejected (policy.eject="
@@ -69,7 +69,7 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
     stop = () if cfg.ignore_eos else tok.eog_ids
     sampler = Sampler(cfg.sampling, cfg.hardware.device)
     options = {}
-    if speculating and "draft" in parse_chain_spec(spec.type):
+    if drafting:
         d = spec.draft
         options["draft"] = dict(host=hosts.get_host(d.source, tok, model.dtype, model.device), device=model.device,
                                 max_tokens=max_tokens, type_k=d.type_k, type_v=d.type_v, window=d.window,
