@@ -164,6 +164,10 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "dtype": run_cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],
         **provenance(), "config": json.dumps(resolved, sort_keys=True, default=str),
     }
+    if runs.exists() and list(pd.read_csv(runs, nrows=0).columns) != list(row):  # appending would shift columns
+        have = list(pd.read_csv(runs, nrows=0).columns)
+        raise ValueError(f"{runs} has other columns than this code writes (only there: {sorted(set(have) - set(row))}, "
+                         f"only here: {sorted(set(row) - set(have))}): start a new study folder (study=...)")
     pd.DataFrame([row]).to_csv(runs, mode="a", header=not runs.exists(), index=False)  # the row marks it done
     print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context}: {g.stats.line()}", flush=True)
     return row

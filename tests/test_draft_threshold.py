@@ -122,3 +122,11 @@ def test_gathered_steps_keep_run_ids_that_look_like_numbers(tmp_path):
         tmp_path / "steps" / "187938e31365.csv", index=False)
     analyze(tmp_path)  # the tables need more than one row: only the gathering matters here
     assert pd.read_csv(tmp_path / "steps.csv", dtype={"run_id": str})["run_id"].tolist() == ["187938e31365"]
+
+
+def test_a_row_is_not_appended_under_another_header(tiny, tmp_path):
+    """rows.csv written by other code (other columns) is refused, not appended with shifted columns."""
+    (tmp_path / "t").mkdir()
+    pd.DataFrame({"run_id": ["x"], "decode_tok_s": [1.0]}).to_csv(tmp_path / "t" / "runs.csv", index=False)
+    with pytest.raises(ValueError, match=r"other columns .* start a new study folder"):
+        run_cell(study_cfg(tiny, tmp_path, arm="none", max_new_tokens=4))
