@@ -19,6 +19,11 @@ one eager kvstream decode step per kernel (torch.profiler), the explanation of t
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,11 +31,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.draft_threshold import review_prompt
+from experiments.draft_threshold import provenance, review_prompt
 from kvstream.config import ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware
-from kvstream.loader import open_gguf
+from kvstream.loader import is_skeleton, open_gguf
 from kvstream.model import load_model
-from kvstream.registry import resolve_model
+from kvstream.registry import MODELS as REGISTERED, resolve_model, sha256_file
 from kvstream.runner import run_decode
 from kvstream.tokenizer import Tokenizer
 
@@ -90,12 +95,6 @@ def kvstream_profile(path, prompt, device, steps=8) -> pd.DataFrame:
 
 def llama_cpp_arm(path, prompt, new, device):
     """llama.cpp in a child process (experiments/peer_llama_cpp.py says why)."""
-    import importlib.util
-    import json
-    import subprocess
-    import sys
-    import tempfile
-
     if importlib.util.find_spec("llama_cpp") is None:
         raise ImportError("llama_cpp (llama-cpp-python) is not installed")
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
@@ -152,6 +151,9 @@ def main() -> None:
     args = ap.parse_args()
     path = resolve_model(args.model)
     tok = Tokenizer.from_gguf(path)
+    # what produced the rows: code, machine, versions, the exact model file, random weights or not
+    run_info = {**provenance(), "model_sha256": REGISTERED[args.model].sha256 if args.model in REGISTERED
+                else sha256_file(path), "random_weights": is_skeleton(open_gguf(path))}
     rows = []
     for context in args.contexts:
         prompt = review_prompt(tok, context, INSTRUCTION)
@@ -163,7 +165,7 @@ def main() -> None:
                 continue
             rows.append({"arm": arm, "model": args.model, "device": args.device, "context": context,
                          "new_tokens": args.new_tokens, "decode_tok_s": decode, "prefill_tok_s": prefill,
-                         "first_tokens": " ".join(map(str, tokens[:16]))})
+                         "first_tokens": " ".join(map(str, tokens[:16])), **run_info})
             print(f"{arm:24s} context {context:6d}: decode {decode:7.2f} tok/s, prefill {prefill:8.1f} tok/s", flush=True)
         if args.profile and args.device.startswith("cuda"):
             prof = kvstream_profile(path, prompt, args.device)
@@ -179,7 +181,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     name = f"{args.device.split(':')[0]}_{Path(args.model).name}"
     df.to_csv(out / f"{name}.csv", index=False)
-    print(df.drop(columns=["first_tokens"]).to_string(index=False))
+    print(df[["arm", "context", "decode_tok_s", "prefill_tok_s", "kvstream_resident_over_arm"]].to_string(index=False))
     import matplotlib
 
     matplotlib.use("Agg")
