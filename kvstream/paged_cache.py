@@ -48,12 +48,17 @@ class _Copier:
         if not self.cuda:
             dst.copy_(src)
             return
+        compute = torch.cuda.current_stream()  # taken outside: inside the block it is self.stream
         with torch.cuda.stream(self.stream):
             if half is not None:
                 self.stream.wait_event(self.free[half])  # the half's previous reader is done
-            else:
-                self.stream.wait_stream(torch.cuda.current_stream())
+            else:  # the source was written on the compute stream (commit's gathered pages)
+                self.stream.wait_stream(compute)
             dst.copy_(src, non_blocking=True)
+            if src.is_cuda:
+                # a device temporary (commit's gathered pages) is freed when the caller returns:
+                # keep the allocator from handing its block to the compute stream mid-copy
+                src.record_stream(self.stream)
             if half is not None:
                 self.ready[half].record(self.stream)
 

@@ -7,7 +7,6 @@ loaded on first use and kept (``DraftHosts``).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from policies import chain_order, draft_length, eject
@@ -59,12 +58,6 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
     speculating = spec.type != "none"
     drafting = speculating and "draft" in parse_chain_spec(spec.type)
     graphs = cfg.engine.cuda_graphs and model.device.type == "cuda"
-    if graphs and drafting and cfg.policy.eject != "never":
-        # KNOWN BUG: graphed steps around a draft eject / re-enable gave other tokens than eager
-        # ones on the H200 (tests/test_cuda.py, xfail); until it is found, such runs are eager
-        warnings.warn("engine.cuda_graphs ignored: a draft that can be ejected (policy.eject="
-                      f"{cfg.policy.eject}) runs eager decode steps (a known bug, see README)", stacklevel=2)
-        graphs = False
     step = GraphedModel(model) if graphs else model  # the same forward pass, captured or eager
     stop = () if cfg.ignore_eos else tok.eog_ids
     sampler = Sampler(cfg.sampling, cfg.hardware.device)

@@ -117,12 +117,7 @@ def test_graphed_decode_is_bit_identical_to_eager(tmp_path, mode, ring, pages):
     assert graphed.captures == 1 if mode == "resident" else graphed.captures >= 1
 
 
-EJECT_BUG = pytest.mark.xfail(strict=True, reason="KNOWN BUG: graphed target steps around an eject / re-enable "
-                              "gave another token than eager at index 26 on the H200 (2026-11-29); the runner "
-                              "runs such configurations eager")
-
-
-@pytest.mark.parametrize("eject", [False, pytest.param(True, marks=EJECT_BUG)])
+@pytest.mark.parametrize("eject", [False, True])
 def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     import test_draft as t
     from kvstream.arena import MIB, Arena
@@ -152,13 +147,22 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     assert runs[0] == runs[1]
 
 
+def host_matches_device(cache) -> int:
+    """Committed pages whose host copy differs from the device copy (any layer, K or V)."""
+    torch.cuda.synchronize()
+    n, bad = cache.length // 256, 0  # whole pages only: rows past the length may be stale
+    for p, j in cache.slot.items():
+        if p < n:
+            idx = torch.tensor([cache._pool_slot(l, j) for l in range(cache.n_layers)], device="cuda")
+            for host, space in ((cache.host.k, cache.kspace), (cache.host.v, cache.vspace)):
+                bad += int((space[idx].cpu() != host[:, p]).any())
+    return bad
+
+
 LONG = TinySpec(arch="qwen2", hidden=256, n_heads=12, n_kv_heads=2, head_dim=128, ffn=256, n_layers=2,
                 context_length=40000)
 
 
-@pytest.mark.xfail(strict=True, reason="OPEN BUG (2026-11-29): at 32K the H200 runs gave other tokens graphed "
-                   "than eager (results/peers/README.md); this test is the reproduction to try first: an "
-                   "XPASS means it does not reproduce the bug (or the bug is gone) and the mark must go")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_graphed_decode_matches_eager_at_32k(tmp_path, dtype):
     """After a 32000-token prompt (a whole number of pages, the last prefill chunk partial, as in
@@ -184,3 +188,23 @@ def test_graphed_decode_matches_eager_at_32k(tmp_path, dtype):
     eager, graphed = run(m, paged()), run(GraphedModel(m), paged())
     assert torch.isfinite(eager).all() and torch.isfinite(graphed).all()
     assert torch.equal(graphed, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_host_store_holds_every_committed_page_after_a_long_prefill(tmp_path, dtype):
+    """The host store is authoritative: after a 32000-token prefill in 512-token chunks (each
+    chunk's pages go back to the host on the copy stream while the next chunk computes) every
+    page on the host equals its device copy byte for byte, and so do the pages the phase switch
+    re-uploads from the host. Before the copy's device source was kept from the allocator until
+    the copy finished (record_stream), the next chunk's kernels could overwrite it mid-copy."""
+    from kvstream.cache_factory import make_cache
+    from kvstream.config import ArenaConfig, CacheConfig
+    from kvstream.generate import prefill
+
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", LONG), dtype, "cuda")
+    toks = torch.randint(0, 357, (32000,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = make_cache(CacheConfig(mode="resident"), ArenaConfig(), m, 32100, 512)
+    prefill(m, cache, toks, 512)
+    assert host_matches_device(cache) == 0
+    cache.set_phase("decode")
+    assert host_matches_device(cache) == 0
