@@ -195,8 +195,8 @@ def test_host_store_holds_every_committed_page_after_a_long_prefill(tmp_path, dt
     """The host store is authoritative: after a 32000-token prefill in 512-token chunks (each
     chunk's pages go back to the host on the copy stream while the next chunk computes) every
     page on the host equals its device copy byte for byte, and so do the pages the phase switch
-    re-uploads from the host. Before the copy's device source was kept from the allocator until
-    the copy finished (record_stream), the next chunk's kernels could overwrite it mid-copy."""
+    re-uploads from the host. On the H200 15 / 196 pages (bf16 / fp32) differed while the copy
+    did not wait for the kernels that wrote its source (a wait on the copy stream itself)."""
     from kvstream.cache_factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
     from kvstream.generate import prefill
