@@ -139,6 +139,17 @@ ARMS = {
 }
 
 
+def save(rows: list[dict], path: Path) -> pd.DataFrame:
+    """The rows so far as a CSV, with each arm's ratio to kvstream resident at its context."""
+    df = pd.DataFrame(rows).reindex(columns=list(dict.fromkeys(
+        ["arm", "model", "device", "context", "new_tokens", "decode_tok_s", "prefill_tok_s", "first_tokens"]
+        + [k for r in rows for k in r])))
+    base = df[df.arm == "kvstream-resident"].set_index("context")["decode_tok_s"]
+    df["kvstream_resident_over_arm"] = [base.get(c, float("nan")) / d for c, d in zip(df.context, df.decode_tok_s)]
+    df.to_csv(path, index=False)
+    return df
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -154,33 +165,37 @@ def main() -> None:
     # what produced the rows: code, machine, versions, the exact model file, random weights or not
     run_info = {**provenance(), "model_sha256": REGISTERED[args.model].sha256 if args.model in REGISTERED
                 else sha256_file(path), "random_weights": is_skeleton(open_gguf(path))}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{args.device.split(':')[0]}_{Path(args.model).name}"
     rows = []
     for context in args.contexts:
         prompt = review_prompt(tok, context, INSTRUCTION)
         for arm in args.arms:
+            row = {"arm": arm, "model": args.model, "device": args.device, "context": context,
+                   "new_tokens": args.new_tokens, **run_info}
             try:
                 decode, prefill, tokens = ARMS[arm](path, prompt, args.new_tokens, args.device)
             except ImportError as e:
                 print(f"{arm}: skipped ({e})")
                 continue
-            rows.append({"arm": arm, "model": args.model, "device": args.device, "context": context,
-                         "new_tokens": args.new_tokens, "decode_tok_s": decode, "prefill_tok_s": prefill,
-                         "first_tokens": " ".join(map(str, tokens[:16])), **run_info})
+            except Exception as e:  # a peer's crash must not take the other arms' rows with it
+                print(f"{arm:24s} context {context:6d}: FAILED ({type(e).__name__}: {e})", flush=True)
+                rows.append({**row, "decode_tok_s": float("nan"), "error": f"{type(e).__name__}: {e}"[:300]})
+                continue
+            rows.append({**row, "decode_tok_s": decode, "prefill_tok_s": prefill,
+                         "first_tokens": " ".join(map(str, tokens[:16]))})
             print(f"{arm:24s} context {context:6d}: decode {decode:7.2f} tok/s, prefill {prefill:8.1f} tok/s", flush=True)
+            save(rows, out / f"{name}.csv")  # after every arm: a later crash loses no row
         if args.profile and args.device.startswith("cuda"):
             prof = kvstream_profile(path, prompt, args.device)
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            prof.to_csv(Path(args.out) / f"profile_cuda_{Path(args.model).name}_{context}.csv", index=False)
+            prof.to_csv(out / f"profile_cuda_{Path(args.model).name}_{context}.csv", index=False)
             print(prof.head(12).to_string(index=False))
             print(f"sum {prof.us_per_step.sum():.0f} us of CUDA time per eager step, "
                   f"{prof.calls_per_step.sum():.0f} kernels", flush=True)
-    df = pd.DataFrame(rows)
-    base = df[df.arm == "kvstream-resident"].set_index("context")["decode_tok_s"]
-    df["kvstream_resident_over_arm"] = df.apply(lambda r: base.get(r.context, float("nan")) / r.decode_tok_s, axis=1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"{args.device.split(':')[0]}_{Path(args.model).name}"
-    df.to_csv(out / f"{name}.csv", index=False)
+    if not rows:
+        raise SystemExit(f"no arm ran (arms: {', '.join(args.arms)})")
+    df = save(rows, out / f"{name}.csv")
     print(df[["arm", "context", "decode_tok_s", "prefill_tok_s", "kvstream_resident_over_arm"]].to_string(index=False))
     import matplotlib
 

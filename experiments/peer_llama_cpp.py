@@ -12,11 +12,10 @@ import json
 import sys
 import time
 
-import numpy as np
-
 
 def decode(path: str, prompt: list[int], new: int, device: str) -> dict:
-    import llama_cpp
+    import llama_cpp  # before numpy: numpy imported first made llama.cpp's model load segfault (H200)
+    import numpy as np
 
     llm = llama_cpp.Llama(path, n_ctx=len(prompt) + new + 16, n_gpu_layers=-1 if device.startswith("cuda") else 0,
                           flash_attn=True, type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q4_0,

@@ -1,0 +1,30 @@
+"""bench_peers on CPU: the kvstream arms on a tiny model; a failing peer loses no row."""
+
+from __future__ import annotations
+
+import sys
+
+import pandas as pd
+
+from experiments import bench_peers
+from test_paged_cache import SPEC
+from tiny_gguf import write_tiny_model
+
+
+def test_rows_are_kept_when_a_peer_arm_crashes(tmp_path, monkeypatch):
+    model = write_tiny_model(tmp_path / "tiny.gguf", SPEC)
+
+    def crashing_peer(*args):  # what the llama.cpp arm raises when its child process segfaults
+        raise RuntimeError("llama.cpp child failed (-11): ")
+
+    monkeypatch.setitem(bench_peers.ARMS, "crashing-peer", crashing_peer)
+    monkeypatch.setattr(sys, "argv", ["bench_peers", "--model", str(model), "--contexts", "300", "--new-tokens", "3",
+                                      "--arms", "kvstream-resident", "crashing-peer", "kvstream-stream",
+                                      "--out", str(tmp_path / "out")])
+    bench_peers.main()
+    df = pd.read_csv(tmp_path / "out" / "cpu_tiny.gguf.csv")
+    assert list(df.arm) == ["kvstream-resident", "crashing-peer", "kvstream-stream"]
+    assert df.decode_tok_s.iloc[[0, 2]].gt(0).all() and df.decode_tok_s.isna().iloc[1]
+    assert "child failed (-11)" in df.error.iloc[1] and df.error.iloc[[0, 2]].isna().all()
+    assert df.kvstream_resident_over_arm.iloc[0] == 1.0
+    assert (tmp_path / "out" / "cpu_tiny.gguf.png").exists()
