@@ -343,3 +343,32 @@ def test_quantized_draft_kv_stays_lossless(model, host, plain, types):
                              prefill_chunk=CHUNK, control=control)
     assert g.tokens == plain and draft.stats.drafts > 0
     assert draft.cache.k_fmt.kv_type.name.lower() == types[0]
+
+
+def test_p_min_stops_the_draft_at_the_first_unsure_token(host):
+    """Greedy drafting stops before the first token whose top probability (the draft model's
+    full softmax) is below p_min. The probabilities come from the draft's weights through a
+    dense fp32 cache, not from the speculator; its f16 pages move them by ~1e-3, so every
+    threshold below sits at least 0.01 away from every probability."""
+    history = PROMPT[:200]
+
+    def propose(p_min):
+        d = new_draft(host, p_min=p_min, sampling=GREEDY)
+        d.pin(Arena(64 * MIB, "cpu"))
+        with torch.inference_mode():
+            return d.propose(history, 8)
+
+    full = propose(0.0)
+    m = host
+    with torch.inference_mode():
+        ids = torch.tensor(history + full[:-1])
+        logits = m(ids, m.new_cache(len(ids)), all_logits=True)[len(history) - 1:]
+    top = torch.softmax(logits.float(), -1).max(-1).values.tolist()  # top[i]: before full[i] is drafted
+    assert len(full) == 8 and logits.argmax(-1).tolist() == full
+    if min(top) > 0.011:
+        assert propose(min(top) - 0.01) == full
+    assert propose(top[0] + 0.01) == []  # unsure from the start: no draft
+    cuts = [j for j in range(1, 8) if top[j] < min(top[:j]) - 0.02]
+    if cuts:  # a token less sure than all before it: the draft ends just before it
+        j = cuts[0]
+        assert propose(top[j] + 0.01) == full[:j]

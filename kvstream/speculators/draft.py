@@ -55,6 +55,16 @@ def check_vocab(target_tokens: list[str], draft_tokens: list[str], draft_name: s
             f"{len(target_tokens)}, first difference at token {first}; a draft must share the target's tokenizer")
 
 
+def _argmax_and_top_prob(logits: torch.Tensor) -> tuple[int, float]:
+    """The greedy token and its softmax probability (1 / sum exp(x - max)), read back together:
+    one host sync per draft token instead of two."""
+    x = logits.float()
+    tok = x.argmax()
+    top = torch.exp(x - x[tok]).sum().reciprocal()
+    t, p = torch.stack((tok.double(), top.double())).tolist()
+    return int(t), p
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -183,11 +193,13 @@ class DraftModel(Speculator):
         logits = self._feed(history[len(self.fed):])
         draft, probs = [], []
         for i in range(n_max):
-            if self.p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < self.p_min:
-                break
             if self.sampler.params.greedy:  # acceptance compares argmaxes: no distribution needed
-                tok = int(logits.argmax())
+                tok, top = _argmax_and_top_prob(logits)  # one read-back per draft token
+                if top < self.p_min:
+                    break
             else:
+                if self.p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < self.p_min:
+                    break
                 q = self.sampler.dense(logits)
                 tok = int(torch.multinomial(q, 1, generator=self.sampler.generator)[0])
                 probs.append(q)
