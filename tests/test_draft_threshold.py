@@ -130,3 +130,23 @@ def test_a_row_is_not_appended_under_another_header(tiny, tmp_path):
     pd.DataFrame({"run_id": ["x"], "decode_tok_s": [1.0]}).to_csv(tmp_path / "t" / "runs.csv", index=False)
     with pytest.raises(ValueError, match=r"other columns .* start a new study folder"):
         run_cell(study_cfg(tiny, tmp_path, arm="none", max_new_tokens=4))
+
+
+def test_a_spec_study_gets_its_table_and_figure(tiny, tmp_path):
+    """experiment=spec_* rows (arm keep, one spec type per cell) -> spec_table.csv and spec.png:
+    acceptance per speculator is accepted / drafted summed over the cell's rounds."""
+    from experiments.plot_spec import plot
+
+    for group in ("none", "draft", "ngram-simple-draft"):  # conf/spec/ options
+        sure = {} if group == "none" else {"spec.draft.p_min": 0}  # a random tiny draft is never 75% sure
+        assert run_cell(study_cfg(tiny, tmp_path, arm="keep", spec=group, context=300, **sure)) is not None
+    plot(tmp_path / "t")
+    table = pd.read_csv(tmp_path / "t" / "spec_table.csv")
+    runs = pd.read_csv(tmp_path / "t" / "runs.csv")
+    assert set(table["spec"]) == set(runs["spec_type"]) == {"none", "draft", "ngram-simple,draft"}
+    chain = table[table["spec"] == "ngram-simple,draft"].set_index("speculator")
+    assert set(chain.index) == {"ngram-simple", "draft"}
+    d = chain.loc["draft"]
+    assert d["drafted"] > 0 and d["acceptance"] == d["accepted"] / d["drafted"]
+    assert table[table["spec"] == "none"]["speculator"].tolist() == ["-"]
+    assert (tmp_path / "t" / "spec.png").stat().st_size > 0
