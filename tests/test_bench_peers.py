@@ -1,4 +1,5 @@
-"""bench_peers on CPU: the kvstream arms on a tiny model; a failing peer loses no row."""
+"""bench_peers and bench_step on CPU: the kvstream arms on a tiny model; a failing peer loses no
+row; a step split into its host phases."""
 
 from __future__ import annotations
 
@@ -28,3 +29,15 @@ def test_rows_are_kept_when_a_peer_arm_crashes(tmp_path, monkeypatch):
     assert "child failed (-11)" in df.error.iloc[1] and df.error.iloc[[0, 2]].isna().all()
     assert df.kvstream_resident_over_arm.iloc[0] == 1.0
     assert (tmp_path / "out" / "cpu_tiny.gguf.png").exists()
+
+
+def test_bench_step_splits_a_step_into_host_phases(tmp_path, capsys):
+    from experiments import bench_step
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", SPEC)
+    bench_step.main(["--model", str(model), "--context", "300", "--steps", "4", "--out", str(tmp_path / "out")])
+    df = pd.read_csv(tmp_path / "out" / "step_cpu_tiny.gguf_300.csv")
+    assert len(df) == 4 and (df[["sample", "token", "call", "begin", "commit"]] > 0).all().all()
+    assert (df["begin"] + df["commit"] < df["call"]).all()  # both happen inside the model call
+    assert df["gpu"].isna().all()  # no captured step on CPU
+    assert "host phases" in capsys.readouterr().out
