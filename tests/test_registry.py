@@ -71,6 +71,6 @@ def test_any_path_is_a_model_and_unknown_names_are_clear(tmp_path):
 
 
 def test_registered_models_name_their_extras():
-    assert registry.MODELS["qwen2.5-coder-0.5b"].extra == "qwen-coder-0.5b"
-    assert registry.MODELS["qwen2.5-coder-1.5b"].extra == "qwen-coder-1.5b"
+    assert registry.MODELS["qwen2.5-coder-0.5b"].extra == "qwen-coder-0-5b"
+    assert registry.MODELS["qwen2.5-coder-1.5b"].extra == "qwen-coder-1-5b"
     assert len(registry.MODELS["qwen2.5-coder-1.5b"].part_modules) == 22
