@@ -140,6 +140,8 @@ def test_a_spec_study_gets_its_table_and_figure(tiny, tmp_path):
     for group in ("none", "draft", "ngram-simple-draft"):  # conf/spec/ options
         sure = {} if group == "none" else {"spec.draft.p_min": 0}  # a random tiny draft is never 75% sure
         assert run_cell(study_cfg(tiny, tmp_path, arm="keep", spec=group, context=300, **sure)) is not None
+    analyze(tmp_path / "t")  # no keep / eject pair: the sweep's analysis draws the chain figure instead
+    assert (tmp_path / "t" / "spec.png").stat().st_size > 0
     plot(tmp_path / "t")
     table = pd.read_csv(tmp_path / "t" / "spec_table.csv")
     runs = pd.read_csv(tmp_path / "t" / "runs.csv")
