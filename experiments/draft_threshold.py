@@ -204,7 +204,8 @@ def analyze(study: Path) -> None:
         print("figure:", plot_draft_thresholds.plot(study))
     except ValueError as e:  # e.g. a sweep without both a keep and an eject arm
         print(f"analysis of {study} incomplete: {e}")
-        if pd.read_csv(study / "runs.csv")["spec_type"].nunique() > 1:  # a speculator-chain study
+        specs = pd.read_csv(study / "runs.csv").get("spec_type")
+        if specs is not None and specs.nunique() > 1:  # a speculator-chain study
             from experiments import plot_spec
 
             print("speculator-chain figure:", plot_spec.plot(study))
