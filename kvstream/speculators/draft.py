@@ -56,12 +56,10 @@ def check_vocab(target_tokens: list[str], draft_tokens: list[str], draft_name: s
 
 
 def _argmax_and_top_prob(logits: torch.Tensor) -> tuple[int, float]:
-    """The greedy token and its softmax probability (1 / sum exp(x - max)), read back together:
-    one host sync per draft token instead of two."""
-    x = logits.float()
-    tok = x.argmax()
-    top = torch.exp(x - x[tok]).sum().reciprocal()
-    t, p = torch.stack((tok.double(), top.double())).tolist()
+    """The greedy token and its softmax probability, read back together: one host sync per
+    draft token instead of two."""
+    top, tok = torch.softmax(logits.float(), -1).max(-1)
+    p, t = torch.stack((top.double(), tok.double())).tolist()
     return int(t), p
 
 
