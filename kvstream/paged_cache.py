@@ -103,6 +103,11 @@ class PagedCache(CacheBase):
         self._step = torch.zeros(w + n_layers * w + 1, dtype=torch.int64, device=self.device)
         self._pos, self._len = self._step[:w], self._step[-1:]
         self._slots = self._step[w:-1].view(n_layers, w)
+        # host staging for it, two buffers in turn: a step writes one while the previous step's
+        # copy may still read the other; an event per buffer says when its copy has read it
+        self._stage = [torch.empty(self._step.shape, dtype=torch.int64, pin_memory=self.copier.cuda) for _ in range(2)]
+        self._staged = [torch.cuda.Event() for _ in range(2)] if self.copier.cuda else None
+        self._n_staged = 0
         self._layout_version = self._plan_version = 0
         self.relayout(slabs["prefill"])
 
@@ -273,16 +278,20 @@ class PagedCache(CacheBase):
 
     def _stage_step(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and slots of a decode step from the host's page tables, written into the
-        static buffers by one copy. The staging tensor comes from the pinned caching allocator
-        (CUDA), which does not hand it out again before the copy has read it."""
-        w = MAX_N_Q
-        stage = torch.empty(self._step.shape, dtype=torch.int64, pin_memory=self.copier.cuda)
+        static buffers by one copy from a pinned staging buffer (no allocation per step)."""
+        w, i = MAX_N_Q, self._n_staged % 2
+        self._n_staged += 1
+        stage = self._stage[i]
+        if self._staged:
+            self._staged[i].synchronize()  # recorded two steps ago: done long since, in practice
         pos = torch.arange(self.length, self.length + n)
         stage[:n] = pos
         stage[w:-1].view(self.n_layers, w)[:, :n] = \
             self.tables_host[:, pos // PAGE_TOKENS].long() * PAGE_TOKENS + pos % PAGE_TOKENS
         stage[-1] = self.length + n
         self._step.copy_(stage, non_blocking=True)
+        if self._staged:
+            self._staged[i].record()
         return self._pos[:n], self._slots[:, :n]
 
     def start_step(self) -> None:
