@@ -27,6 +27,7 @@ from policies.residency import NewestResident
 
 from .arena import ALIGN, Arena, ArenaTooSmall, Layout
 from .cache import CacheBase, ContextOverflow
+from .cudart import copy_rows
 from .host_store import HostStore
 from .kv_ops import KVOps
 from .telemetry import StepStats
@@ -44,23 +45,25 @@ class _Copier:
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
             self.free = [torch.cuda.Event(), torch.cuda.Event()]
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, half: int | None = None) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, half: int) -> None:
+        """Host -> ring half ``half``, after that half's previous reader is done."""
         if not self.cuda:
             dst.copy_(src)
             return
-        compute = torch.cuda.current_stream()  # taken outside: inside the block it is self.stream
         with torch.cuda.stream(self.stream):
-            if half is not None:
-                self.stream.wait_event(self.free[half])  # the half's previous reader is done
-            else:  # the source was written on the compute stream (commit's gathered pages)
-                self.stream.wait_stream(compute)
+            self.stream.wait_event(self.free[half])
             dst.copy_(src, non_blocking=True)
-            if src.is_cuda:
-                # a device temporary (commit's gathered pages) is freed when the caller returns:
-                # keep the allocator from handing its block to the compute stream mid-copy
-                src.record_stream(self.stream)
-            if half is not None:
-                self.ready[half].record(self.stream)
+            self.ready[half].record(self.stream)
+
+    def write_back(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Arena rows -> a strided host view (one page of every layer), after the compute
+        stream's writes to them; asynchronous (one 2-D copy), so the host does not wait for
+        the step. The source is the arena itself: nothing is freed under the copy."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        copy_rows(dst, src, self.stream)
 
     def wait(self, half: int | None = None) -> None:
         if self.cuda:
@@ -116,6 +119,7 @@ class PagedCache(CacheBase):
         takes the bytes back; resident pages are re-laid from the host store."""
         if phase != self.phase:
             self.phase = phase
+            self.settle()
             self.arena.release_layout()
             self.relayout(self.slabs[phase])
 
@@ -123,10 +127,17 @@ class PagedCache(CacheBase):
         """Re-lay the arena around a change of its pinned region: ``change()`` pins or releases
         (a draft's re-enable or eject) while no layout holds the bytes; the pool then takes what
         is free and resident pages are re-uploaded from the host store. Returns ``change()``."""
+        self.settle()
         self.arena.release_layout()
         out = change()
         self.relayout(self.slabs[self.phase])
         return out
+
+    def settle(self) -> None:
+        """Work on the compute stream from now on runs after every write-back issued so far:
+        call it before the arena's bytes change hands (a re-layout, an eject), since the
+        write-backs read the arena asynchronously."""
+        self.copier.wait()
 
     def move_to(self, arena: Arena) -> None:
         """Live in another arena from now on (a draft's KV re-pinned at a new place); the pages
@@ -362,13 +373,14 @@ class PagedCache(CacheBase):
         return out[0].transpose(0, 1)
 
     def commit(self) -> None:
-        """The new rows become history; their pages go back to the host store."""
+        """The new rows become history; their pages go back to the host store (one 2-D copy
+        per page for K and one for V: the page of every layer, at a stride of ``capacity``
+        slots in the pool, into the host's layer-strided view)."""
         first, end = self.length // PAGE_TOKENS, -(-(self.length + self._n) // PAGE_TOKENS)
-        idx = self.tables[:, first:end].reshape(-1).long()
-        shape = (self.n_layers, end - first)
-        for host, space in ((self.host.k, self.kspace), (self.host.v, self.vspace)):
-            # page bytes are multiples of 8: word-wise indexing is ~8x faster on CPU than bytes
-            pages = space.view(torch.int64).index_select(0, idx).view(torch.uint8)
-            self.copier.copy(host[:, first:end], pages.view(*shape, -1))
+        last, cap = self.n_layers - 1, self.capacity
+        for p in range(first, end):
+            j = self._pool_slot(0, self.slot[p])  # every written page is resident (begin)
+            for host, space in ((self.host.k, self.kspace), (self.host.v, self.vspace)):
+                self.copier.write_back(host[:, p], space[j:j + last * cap + 1:cap])
         self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
         super().commit()

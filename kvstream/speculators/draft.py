@@ -130,6 +130,8 @@ class DraftModel(Speculator):
 
     def eject(self, arena: Arena) -> int:
         """Give the pinned bytes back; the draft KV stays on the host. Returns the bytes freed."""
+        if self.cache is not None:
+            self.cache.settle()  # its write-backs still read the bytes being given back
         self.model = None
         self.enabled = False
         return arena.reset(self._mark)
