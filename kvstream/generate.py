@@ -87,13 +87,42 @@ def warm_up(model, cache, widths, *more: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
+class _TokenReadback:
+    """A sampled token's copy to the host, started at once, waited for when it is read: the
+    host then waits for that token only, not for the work queued after it."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros((), dtype=torch.long, pin_memory=self.cuda)
+        self.done = torch.cuda.Event() if self.cuda else None
+
+    def start(self, tok: torch.Tensor) -> None:
+        self.host.copy_(tok, non_blocking=self.cuda)
+        if self.cuda:
+            self.done.record()
+
+    def read(self) -> int:
+        if self.cuda:
+            self.done.synchronize()
+        return int(self.host)
+
+
 @torch.inference_mode()
 def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Sampler, *,
              stop_ids: Iterable[int] = (), prefill_chunk: int = 512,
-             on_token: Callable[[int], None] | None = None, keep_logits: bool = False) -> Generation:
-    """Generate up to ``max_new_tokens`` after ``prompt``; stop early on any of ``stop_ids``."""
+             on_token: Callable[[int], None] | None = None, keep_logits: bool = False,
+             run_ahead: bool | None = None) -> Generation:
+    """Generate up to ``max_new_tokens`` after ``prompt``; stop early on any of ``stop_ids``.
+
+    With ``run_ahead`` (default: on CUDA) the host runs one step ahead: the sampled token stays on the device and feeds the
+    next step, which is queued before the host reads the token back, so the host's part of a
+    step (the stop check, the cache's bookkeeping, the launches) overlaps the GPU's. A stop
+    token read back then has one step queued after it: that step's row is rolled back
+    (``cache.truncate``). Without it each token is read before the next step starts (on the
+    CPU nothing overlaps, and a stop would cost a step)."""
     stop = set(stop_ids)
     dev = model.device
+    ahead = dev.type == "cuda" if run_ahead is None else run_ahead
     logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
     warm_s = warm_up(model, cache, [(1, False)])
     t1 = time.perf_counter()
@@ -101,21 +130,35 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     kept: list[torch.Tensor] = []
     records: list[StepRecord] = []
     stopped = None
-    for _ in range(max_new_tokens):
+    readback = _TokenReadback(dev)
+
+    def step(tok: torch.Tensor) -> torch.Tensor:
+        ts = time.perf_counter()
+        nxt = model(tok.view(1), cache)[-1]
+        records.append(StepRecord.of(len(records), cache, 1, time.perf_counter() - ts))  # host time: no sync
+        return nxt
+
+    while True:
         if keep_logits:
             kept.append(logits.clone())
-        tok = int(sampler(logits))  # the one host sync per step: the stop decision needs it
-        out.append(tok)
+        tok = sampler(logits)  # on the device
+        readback.start(tok)
+        queued = ahead and len(out) + 1 < max_new_tokens  # a next step is needed unless tok stops
+        if queued:
+            logits = step(tok)
+        t = readback.read()
+        out.append(t)
         if on_token is not None:
-            on_token(tok)
-        if tok in stop:
-            stopped = tok
+            on_token(t)
+        if t in stop or len(out) == max_new_tokens:
+            if t in stop:
+                stopped = t
+            if queued:  # the step queued after a stop token: its row is not part of the output
+                records.pop()
+                cache.truncate(cache.length - 1)
             break
-        if len(out) == max_new_tokens:
-            break
-        ts = time.perf_counter()
-        logits = model(torch.tensor([tok], device=dev), cache)[-1]
-        records.append(StepRecord.of(len(records), cache, 1, time.perf_counter() - ts))  # host time: no sync
+        if not queued:
+            logits = step(tok)
     _sync(dev)
     t2 = time.perf_counter()
     return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1, warm_s), stopped, kept,

@@ -147,10 +147,11 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     assert runs[0] == runs[1]
 
 
-def host_matches_device(cache) -> int:
-    """Committed pages whose host copy differs from the device copy (any layer, K or V)."""
+def host_matches_device(cache, tail: bool = False) -> int:
+    """Committed pages whose host copy differs from the device copy (any layer, K or V); with
+    ``tail`` the partial last page too (whole: valid once nothing wrote it after its commit)."""
     torch.cuda.synchronize()
-    n, bad = cache.length // 256, 0  # whole pages only: rows past the length may be stale
+    n, bad = -(-cache.length // 256) if tail else cache.length // 256, 0  # else rows past the length may be stale
     for p, j in cache.slot.items():
         if p < n:
             idx = torch.tensor([cache._pool_slot(l, j) for l in range(cache.n_layers)], device="cuda")
@@ -208,3 +209,42 @@ def test_host_store_holds_every_committed_page_after_a_long_prefill(tmp_path, dt
     assert host_matches_device(cache) == 0
     cache.set_phase("decode")
     assert host_matches_device(cache) == 0
+
+
+def test_copy_rows_writes_a_strided_pinned_view_from_strided_device_rows():
+    from kvstream.cudart import copy_rows
+
+    g = torch.Generator().manual_seed(0)
+    host = torch.randint(0, 256, (5, 7, 100), dtype=torch.uint8, generator=g).pin_memory()
+    space = torch.randint(0, 256, (40, 100), dtype=torch.uint8, generator=g).cuda()
+    before = host.clone()
+    stream = torch.cuda.Stream()
+    copy_rows(host[:, 3], space[2:2 + 4 * 8 + 1:8], stream)  # rows 2, 10, ..., 34 -> page 3 of 5 layers
+    stream.synchronize()
+    assert torch.equal(host[:, 3], space[2::8][:5].cpu())
+    before[:, 3] = host[:, 3]
+    assert torch.equal(host, before)  # nothing else written
+    with pytest.raises(ValueError, match="contiguous rows"):
+        copy_rows(host[:, 3, ::2], space[:5, ::2], stream)
+
+
+@pytest.mark.parametrize("mode, pages", [("resident", None), ("stream", 6)])
+def test_run_ahead_decode_matches_step_by_step_and_keeps_the_host_store(tmp_path, mode, pages):
+    """Graphed greedy decode with the host a step ahead (write-backs as asynchronous 2-D copies
+    under the next step) gives the step-by-step tokens, across a page boundary, and leaves every
+    page on the host equal to the device's, the partial last one included."""
+    import test_paged_cache as t
+    from kvstream.cuda_graph import GraphedModel
+
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
+    toks = torch.randint(0, 357, (t.PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = []
+    for ahead in (False, True):
+        mib = None if mode == "resident" else t.small_arena_mib(m, pages, 8)
+        cache = t.paged(m, mode, mib=mib, max_tokens=2400)
+        g = generate(GraphedModel(m), cache, toks, 300, Sampler(SamplingParams(), "cuda"), prefill_chunk=t.CHUNK,
+                     run_ahead=ahead)
+        runs.append(g.tokens)
+        assert cache.length == t.PROMPT + 299
+        assert host_matches_device(cache, tail=True) == 0
+    assert runs[0] == runs[1]

@@ -224,3 +224,27 @@ def test_generate_records_one_telemetry_row_per_decode_step(model, tokens):
     last = g.records[-1]
     assert (last.context, last.pages_per_layer, last.new_tokens) == (PROMPT + 5, 8, 1)
     assert (last.resident_pages, last.streamed_pages) == (4, 4) and last.h2d_bytes == 4 * 2 * pair_bytes()
+
+
+def test_run_ahead_generation_equals_step_by_step_and_rolls_back_after_a_stop(model, tokens):
+    """generate(run_ahead=True), what CUDA runs, queues each step before reading the token that
+    feeds it; on a stop token the step queued after it is rolled back."""
+    from kvstream.generate import generate
+    from kvstream.sampling import Sampler, SamplingParams
+
+    def gen(ahead, stop=()):
+        cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
+        g = generate(model, cache, tokens[:PROMPT], 12, Sampler(SamplingParams()), prefill_chunk=CHUNK,
+                     stop_ids=stop, run_ahead=ahead)
+        return g, cache
+
+    (plain, c0), (ahead, c1) = gen(False), gen(True)
+    assert ahead.tokens == plain.tokens and len(ahead.records) == len(plain.records) == 11
+    assert c1.length == c0.length == PROMPT + 11
+    k = 5
+    t = plain.tokens[k]
+    k = plain.tokens.index(t)  # its first occurrence stops the run
+    for run_ahead in (False, True):
+        g, cache = gen(run_ahead, stop=[t])
+        assert (g.tokens, g.stopped_on) == (plain.tokens[:k + 1], t)
+        assert cache.length == PROMPT + k and len(g.records) == k  # the stop token is never fed
