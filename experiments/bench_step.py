@@ -8,8 +8,12 @@ replays the captured step), timing each host phase with the clock, ``cache.begin
 ``cache.commit`` included (wrapped). Then replays the captured step ``--steps`` times back to
 back: the GPU time of one step with no host in between. The step's wall time minus that GPU
 time is what the host adds to every token (the device waits for it: the token is read back
-before the next step starts). Writes ``<out>/step_<device>_<model>_<context>.csv`` (one row
-per step, seconds) and prints the medians.
+before the next step starts). Last, ``generate`` itself decodes ``--steps`` tokens on a fresh
+cache (on CUDA with the host a step ahead, so its part overlaps the GPU's): ``generate_s``,
+the step time a user gets. Writes ``<out>/step_<device>_<model>_<context>.csv`` (one row
+per step, seconds) and prints the medians. ``--profile`` (CUDA) adds
+``<out>/kernels_<model>_<context>.csv``: the GPU time of one captured step by kernel
+(torch.profiler over replays), the explanation of the GPU part.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from experiments.bench_peers import INSTRUCTION, kvstream_config, kvstream_model
 from experiments.draft_threshold import review_prompt
 from kvstream.cache_factory import make_cache
 from kvstream.cuda_graph import GraphedModel
-from kvstream.generate import prefill_phase, warm_up
+from kvstream.generate import generate, prefill_phase, warm_up
 from kvstream.registry import resolve_model
 from kvstream.sampling import Sampler
 
@@ -47,7 +51,7 @@ def _sync(device) -> None:
 
 
 @torch.inference_mode()
-def measure(path, context: int, steps: int, device: str) -> pd.DataFrame:
+def measure(path, context: int, steps: int, device: str, profile: bool = False):
     cfg = kvstream_config(device, "resident", steps + 1)
     model, tok = kvstream_model(path, cfg)
     prompt = review_prompt(tok, context, INSTRUCTION)
@@ -83,7 +87,25 @@ def measure(path, context: int, steps: int, device: str) -> pd.DataFrame:
             graph.replay()
         _sync(model.device)
         df["gpu"] = (time.perf_counter() - t0) / steps
-    return df
+    fresh = make_cache(cfg.cache, cfg.arena, model, len(prompt) + steps + 1, cfg.prefill_chunk)
+    g = generate(step, fresh, prompt, steps + 1, sampler, prefill_chunk=cfg.prefill_chunk)
+    df["generate_s"] = g.stats.decode_s / steps
+    if profile and isinstance(step, GraphedModel):
+        return df, kernel_table(graph, steps)
+    return df, None
+
+
+def kernel_table(graph, replays: int) -> pd.DataFrame:
+    """GPU time per replay of ``graph`` by kernel name: microseconds and launches per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key, "us_per_step": e.device_time_total / replays, "calls_per_step": e.count / replays}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return pd.DataFrame(rows).sort_values("us_per_step", ascending=False)
 
 
 def main(argv=None) -> None:
@@ -93,10 +115,11 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default="results/step")
+    ap.add_argument("--profile", action="store_true", help="also the captured step's GPU time by kernel (CUDA)")
     args = ap.parse_args(argv)
     if args.steps < 2:
         raise SystemExit(f"--steps must be >= 2 (got {args.steps}): the first step is not counted")
-    df = measure(resolve_model(args.model), args.context, args.steps, args.device)
+    df, kernels = measure(resolve_model(args.model), args.context, args.steps, args.device, args.profile)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"step_{args.device.split(':')[0]}_{Path(args.model).name}_{args.context}.csv"
@@ -105,8 +128,16 @@ def main(argv=None) -> None:
     host = med["wall"] - med["gpu"]
     print(f"{args.model} {args.device} context {args.context}: median step {1e3 * med['wall']:.3f} ms, "
           f"GPU alone {1e3 * med['gpu']:.3f} ms, host adds {1e3 * host:.3f} ms per token")
+    print(f"generate(): {1e3 * med['generate_s']:.3f} ms per step ({1 / med['generate_s']:.1f} tok/s)")
     print("host phases (median ms): " + ", ".join(f"{p} {1e3 * med[p]:.3f}" for p in PHASES if p in med))
     print(f"wrote {out / name}")
+    if kernels is not None:
+        kname = out / f"kernels_{Path(args.model).name}_{args.context}.csv"
+        kernels.to_csv(kname, index=False)
+        print(f"GPU time by kernel ({kernels.us_per_step.sum():.0f} us/step in {kernels.calls_per_step.sum():.0f} "
+              f"launches), the top 25:")
+        print(kernels.head(25).to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+        print(f"wrote {kname}")
 
 
 if __name__ == "__main__":

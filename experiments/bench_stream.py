@@ -3,7 +3,8 @@
     python experiments/bench_stream.py --out results/stream [--contexts 4096 16384 32768]
 
 Random weights with the real Qwen2.5-Coder-1.5B shapes (timing does not depend on the values),
-bf16, q8_0 K / q4_0 V pages, eager decode (no CUDA graphs yet). For each context: resident
+bf16, q8_0 K / q4_0 V pages, CUDA-graph decode steps (``--eager``: without), the ring
+automatic (one round per layer) unless ``--ring N``. For each context: resident
 mode (the whole context in the arena), then stream mode with arenas holding a fraction of the
 pages. Reported per run: decode tok/s, pages streamed per layer, host->device bytes per step
 and their rate against the pinned-copy ceiling measured in the same run, the step time against
@@ -26,6 +27,7 @@ import torch
 from kvstream.arena import MIB
 from kvstream.cache_factory import make_cache, reserve_slab
 from kvstream.config import ArenaConfig, CacheConfig
+from kvstream.cuda_graph import GraphedModel
 from kvstream.loader import ModelConfig, random_weights
 from kvstream.model import Qwen
 
@@ -75,19 +77,20 @@ def transfer_only_ms(cache, reps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def decode_run(model, cache, context: int, steps: int) -> dict:
+def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> dict:
     torch.manual_seed(0)
     with torch.inference_mode():
         prompt = torch.randint(0, model.cfg.vocab_size, (context,), device=model.device)
         for lo in range(0, context, 1024):
             model(prompt[lo:lo + 1024], cache)
         cache.set_phase("decode")
+        step = GraphedModel(model) if graphs else model
         tok = torch.tensor([1], device=model.device)
         times = []
         for i in range(steps + 3):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            tok = model(tok, cache)[-1].argmax().reshape(1)
+            tok = step(tok, cache)[-1].argmax().reshape(1)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
     st = cache.stats
@@ -103,7 +106,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25])
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--ring", type=int, default=16)
+    ap.add_argument("--ring", default="auto", help="ring slots, or auto (one round per layer)")
+    ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     ap.add_argument("--out", default="results/stream")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -117,17 +121,19 @@ def main() -> None:
         arms = [("resident", None)] + [("stream", f) for f in args.fractions]
         base_step = None
         for mode, frac in arms:
-            cc = CacheConfig(mode=mode, type_k="q8_0", type_v="q4_0", ring_pages=args.ring if mode == "stream" else 0)
+            cc = CacheConfig(mode=mode, type_k="q8_0", type_v="q4_0", ring_pages=args.ring if mode == "stream" else "0")
             if frac is None:
                 mib = "auto"
             else:  # prefill slab + ring + frac of every layer's pages (decode frees the slab's excess)
                 pair = 69632 + 36864
-                pages = QWEN15.n_layers * int(frac * -(-max_tokens // 256))
-                mib = str((slab + (pages + args.ring) * pair) / MIB + 1)
+                per_layer = -(-max_tokens // 256)
+                pages = QWEN15.n_layers * int(frac * per_layer)
+                ring = 2 * (per_layer - int(frac * per_layer)) if args.ring == "auto" else int(args.ring)
+                mib = str((slab + (pages + ring) * pair) / MIB + 1)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             cache = make_cache(cc, ArenaConfig(mib=mib), model, max_tokens, 1024)
-            r = decode_run(model, cache, ctx, args.steps)
+            r = decode_run(model, cache, ctx, args.steps, graphs=not args.eager)
             arena_mib = cache.arena.nbytes / MIB
             if mode == "resident":
                 base_step = r["step_ms"]
