@@ -93,6 +93,23 @@ def kvstream_profile(path, prompt, device, steps=8) -> pd.DataFrame:
     return df[df.calls_per_step > 0]
 
 
+def plot(df: pd.DataFrame, png: Path, title: str) -> None:
+    """Decode tok/s per context, one bar per arm (legend beside the axes: bars stay visible)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.5, 4))
+    df.pivot(index="context", columns="arm", values="decode_tok_s").plot.bar(ax=ax, rot=0)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def llama_cpp_arm(path, prompt, new, device):
     """llama.cpp in a child process (experiments/peer_llama_cpp.py says why)."""
     if importlib.util.find_spec("llama_cpp") is None:
@@ -197,18 +214,7 @@ def main() -> None:
         raise SystemExit(f"no arm ran (arms: {', '.join(args.arms)})")
     df = save(rows, out / f"{name}.csv")
     print(df[["arm", "context", "decode_tok_s", "prefill_tok_s", "kvstream_resident_over_arm"]].to_string(index=False))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    df.pivot(index="context", columns="arm", values="decode_tok_s").plot.bar(ax=ax)
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"{args.model} on {args.device}: {args.new_tokens} greedy tokens")
-    fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=120)
-
+    plot(df, out / f"{name}.png", f"{args.model} on {args.device}: {args.new_tokens} greedy tokens")
 
 if __name__ == "__main__":
     main()
