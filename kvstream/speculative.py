@@ -33,7 +33,7 @@ from tqdm import tqdm
 from policies.chain_order import ChainSnapshot
 from policies.draft_length import Fixed, LengthSnapshot
 
-from .generate import Generation, GenerationStats, _sync, prefill_phase, warm_up
+from .generate import Generation, GenerationStats, _sync, _TokenReadback, prefill_phase, warm_up
 from .sampling import Sampler
 from .telemetry import StepRecord
 
@@ -84,13 +84,22 @@ class _Timing:
 def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Sampler, chain, *,
                          n_max: int = 15, stop_ids: Iterable[int] = (), prefill_chunk: int = 512,
                          on_token: Callable[[int], None] | None = None, synthetic_acceptance: float | None = None,
-                         length_policy=None, order_policy=None, control=None, progress: bool = False) -> Generation:
+                         length_policy=None, order_policy=None, control=None, progress: bool = False,
+                         run_ahead: bool | None = None) -> Generation:
     """Generate like :func:`kvstream.generate.generate`, drafting with ``chain``. ``n_max`` caps
     the draft (a verify batch is at most 1 + n_max tokens); ``length_policy`` picks each
     round's length, ``order_policy`` the chain's order, ``control`` ejects / re-enables a
-    pinned draft model (``DraftControl``)."""
+    pinned draft model (``DraftControl``).
+
+    While the chain is idle (its draft ejected) rounds are plain steps, and with ``run_ahead``
+    (default: on CUDA) the host queues the next one before reading the token that feeds it, as
+    ``generate`` does: after an eject the decode runs at the plain rate. A queued step that is
+    not used (a stop token, a re-enabled draft) is rolled back."""
     stop = set(stop_ids)
     dev = model.device
+    ahead = dev.type == "cuda" if run_ahead is None else run_ahead
+    readback = _TokenReadback(dev)
+    queued = None  # (cache length before it, its logits): a plain step queued ahead
     length_policy = length_policy or Fixed(n_max)
     logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
     t0 = time.perf_counter()
@@ -110,13 +119,26 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     while out[-1] not in stop and len(out) < max_new_tokens:
         ts = time.perf_counter()
         budget = min(n_round, max_new_tokens - len(out) - 1)  # room for the kept drafts + one more
+        if queued is not None and not chain.idle:  # re-enabled since it was queued: not a plain round
+            cache.truncate(queued[0])
+            queued = None
         draft = chain.propose(prompt + out, budget) if budget > 0 else []
         draft_s = time.perf_counter() - ts
-        start = cache.length
-        logits = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True)
-        kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
+        if queued is not None:  # this round's step is already on the device
+            (start, logits), queued = queued, None
+        else:
+            start = cache.length
+            logits = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True)
+        if ahead and not draft and chain.idle and len(out) + 1 < max_new_tokens:
+            tok = sampler(logits[0])  # what accept() samples for a round without a draft, kept on the device
+            readback.start(tok)
+            queued = (cache.length, model(tok.view(1), cache, all_logits=True))  # the next round's step
+            kept = [readback.read()]
+        else:
+            kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
         kept = kept[:next((i + 1 for i, t in enumerate(kept) if t in stop), len(kept))]  # nothing after a stop
-        cache.truncate(start + len(kept))  # the last sampled token and the accepted drafts stay
+        if queued is None:  # (a step queued after a stop token is rolled back after the loop)
+            cache.truncate(start + len(kept))  # the last sampled token and the accepted drafts stay
         winner = chain.last_winner.name if chain.last_winner is not None else ""
         if draft:
             chain.accepted(len(draft), len(kept) - 1)
@@ -140,6 +162,8 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             chain.reorder(order_policy.decide(ChainSnapshot(tuple(chain.names), {
                 s.name: (s.stats.calls, s.stats.drafted_tokens, s.stats.accepted_tokens, s.stats.seconds)
                 for s in chain})))
+    if queued is not None:  # queued after the stop token that ended the loop: not part of the output
+        cache.truncate(queued[0])
     bar.close()
     _sync(dev)
     t2 = time.perf_counter()

@@ -153,9 +153,12 @@ def test_eject_gives_the_draft_bytes_to_the_page_pool_and_reenable_takes_them_ba
     assert control.capacity_without == min(layout0.pool_pages // SPEC.n_layers, cache.max_pages)
 
 
-def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain):
-    g, draft, control, cache = run_with_draft(model, host, Scripted(at=3, back=8))
-    assert g.tokens == plain
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain, run_ahead):
+    # run_ahead (what CUDA runs): ejected rounds queue the next plain step before reading the
+    # token that feeds it; the re-enable drops the step queued last
+    g, draft, control, cache = run_with_draft(model, host, Scripted(at=3, back=8), run_ahead=run_ahead)
+    assert g.tokens == plain and cache.length == len(PROMPT) + len(plain) - 1
     assert [t.action for t in control.transitions] == ["eject", "reenable"]
     active = [r.draft_active for r in g.records]
     assert active[:2] == [True, True] and not any(active[3:7]) and all(active[8:])
@@ -165,6 +168,17 @@ def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain):
     assert eject.h2d_bytes > 0 and reenable.h2d_bytes > host.nbytes and eject.seconds > 0  # resident pages re-uploaded
     history = PROMPT + g.tokens
     assert draft.fed == history[:len(draft.fed)] and len(draft.fed) > len(PROMPT) + 8  # it caught up
+
+
+def test_a_stop_token_while_ejected_rolls_the_queued_step_back(model, host, plain):
+    g, *_ = run_with_draft(model, host, Scripted(at=1, back=99), run_ahead=True)
+    first_plain = 1 + g.records[0].new_tokens  # tokens from here on come from ejected rounds
+    # a stop token that first appears there (so the run stops in an ejected round)
+    k = next(i for i in range(first_plain, len(plain)) if plain[i] not in plain[:i])
+    g, draft, control, cache = run_with_draft(model, host, Scripted(at=1, back=99), run_ahead=True,
+                                              stop_ids=[plain[k]])
+    assert (g.tokens, g.stopped_on) == (plain[:k + 1], plain[k])
+    assert cache.length == len(PROMPT) + k  # the stop token is never fed
 
 
 def test_onset_policy_ejects_when_the_context_outgrows_the_draft_active_pool(model, host, plain):

@@ -278,6 +278,12 @@ class Chain:
         return not self.speculators
 
     @property
+    def idle(self) -> bool:
+        """No speculator is enabled (an ejected draft alone, or an empty chain): the next round
+        is a plain step whatever the history."""
+        return not any(s.enabled for s in self.speculators)
+
+    @property
     def max_draft(self) -> int | None:
         caps = [s.max_draft for s in self.speculators]
         if not caps or any(c is None for c in caps):
