@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cuda_graph import warm_widths
+from .readback import Readback
 from .sampling import Sampler
 from .telemetry import StepRecord
 
@@ -87,26 +88,6 @@ def warm_up(model, cache, widths, *more: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-class _TokenReadback:
-    """A sampled token's copy to the host, started at once, waited for when it is read: the
-    host then waits for that token only, not for the work queued after it."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.host = torch.zeros((), dtype=torch.long, pin_memory=self.cuda)
-        self.done = torch.cuda.Event() if self.cuda else None
-
-    def start(self, tok: torch.Tensor) -> None:
-        self.host.copy_(tok, non_blocking=self.cuda)
-        if self.cuda:
-            self.done.record()
-
-    def read(self) -> int:
-        if self.cuda:
-            self.done.synchronize()
-        return int(self.host)
-
-
 @torch.inference_mode()
 def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Sampler, *,
              stop_ids: Iterable[int] = (), prefill_chunk: int = 512,
@@ -130,7 +111,7 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     kept: list[torch.Tensor] = []
     records: list[StepRecord] = []
     stopped = None
-    readback = _TokenReadback(dev)
+    readback = Readback(dev, (), torch.long)
 
     def step(tok: torch.Tensor) -> torch.Tensor:
         ts = time.perf_counter()
@@ -146,7 +127,7 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
         queued = ahead and len(out) + 1 < max_new_tokens  # a next step is needed unless tok stops
         if queued:
             logits = step(tok)
-        t = readback.read()
+        t = int(readback.read())
         out.append(t)
         if on_token is not None:
             on_token(t)

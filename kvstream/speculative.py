@@ -33,7 +33,8 @@ from tqdm import tqdm
 from policies.chain_order import ChainSnapshot
 from policies.draft_length import Fixed, LengthSnapshot
 
-from .generate import Generation, GenerationStats, _sync, _TokenReadback, prefill_phase, warm_up
+from .generate import Generation, GenerationStats, _sync, prefill_phase, warm_up
+from .readback import Readback
 from .sampling import Sampler
 from .telemetry import StepRecord
 
@@ -98,7 +99,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     stop = set(stop_ids)
     dev = model.device
     ahead = dev.type == "cuda" if run_ahead is None else run_ahead
-    readback = _TokenReadback(dev)
+    readback = Readback(dev, (), torch.long)
     queued = None  # (cache length before it, its logits): a plain step queued ahead
     length_policy = length_policy or Fixed(n_max)
     logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
@@ -133,7 +134,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             tok = sampler(logits[0])  # what accept() samples for a round without a draft, kept on the device
             readback.start(tok)
             queued = (cache.length, model(tok.view(1), cache, all_logits=True))  # the next round's step
-            kept = [readback.read()]
+            kept = [int(readback.read())]
         else:
             kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
         kept = kept[:next((i + 1 for i, t in enumerate(kept) if t in stop), len(kept))]  # nothing after a stop

@@ -91,7 +91,7 @@ class Scripted:
 
 def run_with_draft(model, host, policy, pages=2, window=0, n_max=8, **kw):
     cache = target_cache(model, arena_mib(model, host, pages, window=window))
-    draft = new_draft(host, window=window)
+    draft = new_draft(host, window=window, run_ahead=kw.get("run_ahead"))  # the draft too: as on CUDA
     control = DraftControl(draft, cache, policy)
     assert control.capacity_with == pages
     g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=n_max,
@@ -105,9 +105,9 @@ def plain(model):
     return generate(model, cache, PROMPT, NEW, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
 
 
-@pytest.mark.parametrize("window", [0, 128])
-def test_greedy_with_a_pinned_draft_equals_plain_decoding(model, host, plain, window):
-    g, draft, control, _ = run_with_draft(model, host, Never(), window=window)
+@pytest.mark.parametrize("window, run_ahead", [(0, False), (128, False), (128, True)])
+def test_greedy_with_a_pinned_draft_equals_plain_decoding(model, host, plain, window, run_ahead):
+    g, draft, control, _ = run_with_draft(model, host, Never(), window=window, run_ahead=run_ahead)
     assert g.tokens == plain
     assert draft.stats.drafts > 0 and all(r.draft_active for r in g.records)
     assert sum(r.new_tokens for r in g.records) == len(g.tokens) - 1
@@ -156,7 +156,8 @@ def test_eject_gives_the_draft_bytes_to_the_page_pool_and_reenable_takes_them_ba
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain, run_ahead):
     # run_ahead (what CUDA runs): ejected rounds queue the next plain step before reading the
-    # token that feeds it; the re-enable drops the step queued last
+    # token that feeds it, the re-enable drops the step queued last; the draft queues its next
+    # step before reading each draft token
     g, draft, control, cache = run_with_draft(model, host, Scripted(at=3, back=8), run_ahead=run_ahead)
     assert g.tokens == plain and cache.length == len(PROMPT) + len(plain) - 1
     assert [t.action for t in control.transitions] == ["eject", "reenable"]
@@ -363,14 +364,20 @@ def test_p_min_stops_the_draft_at_the_first_unsure_token(host):
     """Greedy drafting stops before the first token whose top probability (the draft model's
     full softmax) is below p_min. The probabilities come from the draft's weights through a
     dense fp32 cache, not from the speculator; its f16 pages move them by ~1e-3, so every
-    threshold below sits at least 0.01 away from every probability."""
+    threshold below sits at least 0.01 away from every probability. Drafting a step ahead (what
+    CUDA runs: the next draft step queued before the token is read) leaves the same draft, fed
+    tokens and draft KV length (a queued step past a p_min stop is rolled back)."""
     history = PROMPT[:200]
 
     def propose(p_min):
-        d = new_draft(host, p_min=p_min, sampling=GREEDY)
-        d.pin(Arena(64 * MIB, "cpu"))
-        with torch.inference_mode():
-            return d.propose(history, 8)
+        out = []
+        for run_ahead in (False, True):
+            d = new_draft(host, p_min=p_min, sampling=GREEDY, run_ahead=run_ahead)
+            d.pin(Arena(64 * MIB, "cpu"))
+            with torch.inference_mode():
+                out.append((d.propose(history, 8), list(d.fed), d.cache.length))
+        assert out[0] == out[1]
+        return out[0][0]
 
     full = propose(0.0)
     m = host

@@ -35,6 +35,7 @@ from ..cuda_graph import GraphedModel, warm_widths
 from ..loader import open_gguf
 from ..model import Qwen, load_model
 from ..paged_cache import PagedCache
+from ..readback import Readback
 from ..sampling import Sampler, SamplingParams
 from ..tokenizer import gguf_metadata
 from .base import Speculator, register
@@ -55,12 +56,11 @@ def check_vocab(target_tokens: list[str], draft_tokens: list[str], draft_name: s
             f"{len(target_tokens)}, first difference at token {first}; a draft must share the target's tokenizer")
 
 
-def _argmax_and_top_prob(logits: torch.Tensor) -> tuple[int, float]:
-    """The greedy token and its softmax probability, read back together: one host sync per
-    draft token instead of two."""
+def _top(logits: torch.Tensor) -> torch.Tensor:
+    """[softmax probability of the greedy token, the token] as float64 on the device: the two
+    numbers a greedy draft step needs, read back together (one host sync, not two)."""
     top, tok = torch.softmax(logits.float(), -1).max(-1)
-    p, t = torch.stack((top.double(), tok.double())).tolist()
-    return int(t), p
+    return torch.stack((top.double(), tok.double()))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -77,7 +77,7 @@ class DraftModel(Speculator):
 
     def __init__(self, host: Qwen, device: str | torch.device, *, max_tokens: int, type_k: str = "f16",
                  type_v: str = "f16", window: int = 0, n_min: int = 0, p_min: float = 0.0, chunk: int = 512,
-                 sampling: SamplingParams | None = None, graphs: bool = False):
+                 sampling: SamplingParams | None = None, graphs: bool = False, run_ahead: bool | None = None):
         super().__init__()
         if window and window < 2 * chunk:
             raise ValueError(f"draft window of {window} tokens must hold at least two catch-up chunks ({2 * chunk})")
@@ -87,6 +87,10 @@ class DraftModel(Speculator):
         self.kv_tokens = window or max_tokens + 16  # + a draft's own tokens beyond the history
         self.window, self.n_min, self.p_min, self.chunk = window, n_min, p_min, chunk
         self.graphs = graphs  # CUDA: the draft's one-token steps replay captured graphs
+        # greedy drafting queues the next draft step before reading the token that feeds it
+        # (default: on CUDA, where the host's part then overlaps the device's)
+        self.run_ahead = self.device.type == "cuda" if run_ahead is None else run_ahead
+        self._readback = Readback(self.device, (2,), torch.float64)
         params = sampling or SamplingParams()
         self.sampler = Sampler(SamplingParams(**{**vars(params), "seed": params.seed + 1}), self.device)
         self.model: Qwen | None = None
@@ -194,9 +198,23 @@ class DraftModel(Speculator):
         draft, probs = [], []
         for i in range(n_max):
             if self.sampler.params.greedy:  # acceptance compares argmaxes: no distribution needed
-                tok, top = _argmax_and_top_prob(logits)  # one read-back per draft token
-                if top < self.p_min:
+                top = _top(logits)
+                more = i + 1 < n_max
+                if more and self.run_ahead and self.cache.length < self.kv_tokens:  # (no window restart)
+                    self._readback.start(top)
+                    start = self.cache.length
+                    logits = self.model(top[1:].long(), self.cache)[-1]  # the next step, queued
+                    p, t = self._readback.read().tolist()
+                    if p < self.p_min:
+                        self.cache.truncate(start)  # the queued step fed a token that is not drafted
+                        break
+                    draft.append(int(t))
+                    self.fed.append(int(t))
+                    continue
+                p, t = top.tolist()
+                if p < self.p_min:
                     break
+                tok = int(t)
             else:
                 if self.p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < self.p_min:
                     break
