@@ -70,14 +70,16 @@ class DraftControl:
     def capacity_without(self) -> int:
         return self._capacities()[1]
 
-    def snapshot(self) -> Snapshot:
-        pages = -(-self.cache.length // PAGE_TOKENS)
+    def snapshot(self, length: int | None = None) -> Snapshot:
+        pages = -(-(self.cache.length if length is None else length) // PAGE_TOKENS)
         return Snapshot(pages, self.capacity_with, self.capacity_without, self.active, self.since,
                         *self.measured[True], *self.measured[False])
 
-    def after_step(self, step: int, new_tokens: int, step_s: float) -> Action:
-        """Record one decode batch; apply the policy's decision. Returns it."""
-        pages = -(-self.cache.length // PAGE_TOKENS)
+    def after_step(self, step: int, new_tokens: int, step_s: float, length: int | None = None) -> Action:
+        """Record one decode batch; apply the policy's decision. Returns it. ``length``: the
+        context after the batch, when the cache holds a next step queued ahead."""
+        length = self.cache.length if length is None else length
+        pages = -(-length // PAGE_TOKENS)
         if (pages > self.capacity_with) != self.streaming:  # crossed the onset: earlier batches tell nothing
             self.streaming = not self.streaming
             for state in (True, False):
@@ -87,10 +89,9 @@ class DraftControl:
         if self.since > 0:  # the first batch after a transition carries the draft's catch-up: not steady state
             m.append((new_tokens, step_s))
         if len(m) >= GOODPUT_MIN:
-            self.measured[self.active] = (sum(t for t, _ in m) / sum(s for _, s in m),
-                                          -(-self.cache.length // PAGE_TOKENS))
+            self.measured[self.active] = (sum(t for t, _ in m) / sum(s for _, s in m), pages)
         self.since += 1
-        snap = self.snapshot()
+        snap = self.snapshot(length)
         action = self.policy.decide(snap)
         if action is Action.STAY:
             return action

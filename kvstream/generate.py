@@ -119,7 +119,7 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
         records.append(StepRecord.of(len(records), cache, 1, time.perf_counter() - ts))  # host time: no sync
         return nxt
 
-    while True:
+    while len(out) < max_new_tokens:  # (0: no token at all)
         if keep_logits:
             kept.append(logits.clone())
         tok = sampler(logits)  # on the device

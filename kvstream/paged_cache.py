@@ -65,6 +65,14 @@ class _Copier:
         self.stream.wait_stream(torch.cuda.current_stream())
         copy_rows(dst, src, self.stream)
 
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A strided host view -> arena rows, on the compute stream (after ``wait``: the host
+        rows may still be arriving from a write-back): one 2-D copy, the host never reads."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        copy_rows(dst, src, torch.cuda.current_stream())
+
     def wait(self, half: int | None = None) -> None:
         if self.cuda:
             s = torch.cuda.current_stream()
@@ -133,6 +141,13 @@ class PagedCache(CacheBase):
         self.relayout(self.slabs[self.phase])
         return out
 
+    def __del__(self):
+        # a write-back may still be filling the pinned host store, which torch's host allocator
+        # cannot see (a raw 2-D copy): let it land before that memory can be handed out again
+        copier = getattr(self, "copier", None)
+        if copier is not None and copier.cuda:
+            copier.stream.synchronize()
+
     def settle(self) -> None:
         """Work on the compute stream from now on runs after every write-back issued so far:
         call it before the arena's bytes change hands (a re-layout, an eject), since the
@@ -195,12 +210,17 @@ class PagedCache(CacheBase):
     def _pool_slot(self, layer: int, j: int) -> int:
         return self.ring_pages + layer * self.capacity + j
 
-    def _plan(self, n_pages: int, upload_below: int) -> None:
+    def _plan(self, n_pages: int, upload_below: int, writing: range = range(0)) -> None:
         """Make the policy's resident set for ``n_pages`` pages current; pages entering it that
-        hold committed rows (``< upload_below``) are uploaded from the host store."""
+        hold committed rows (``< upload_below``) are uploaded from the host store. Pages being
+        written (``writing``) are resident whatever the policy says: the store kernel and the
+        write-back address them in the pool; they displace the policy's last other pages."""
         want = list(self.residency.resident(n_pages, self.capacity))
         if len(want) > self.capacity or any(not 0 <= p < n_pages for p in want):
             raise ValueError(f"residency policy returned {len(want)} pages for capacity {self.capacity}")
+        if any(p not in want for p in writing):
+            others = [p for p in want if p not in writing]
+            want = others[:self.capacity - len(writing)] + list(writing)
         for p in [p for p in self.slot if p not in set(want)]:
             del self.slot[p]
         free = sorted(set(range(self.capacity)) - set(self.slot.values()))
@@ -211,10 +231,11 @@ class PagedCache(CacheBase):
                 self.slot[p] = free.pop(0)
                 if p < upload_below:
                     uploads.append(p)
-        for p in uploads:
-            idx = torch.tensor([self._pool_slot(l, self.slot[p]) for l in range(self.n_layers)], device=self.device)
-            self.kspace.index_copy_(0, idx, self.host.k[:, p].to(self.device, non_blocking=True))
-            self.vspace.index_copy_(0, idx, self.host.v[:, p].to(self.device, non_blocking=True))
+        last, cap = self.n_layers - 1, self.capacity
+        for p in uploads:  # the page of every layer: slots a capacity apart in the pool
+            j = self._pool_slot(0, self.slot[p])
+            for host, space in ((self.host.k, self.kspace), (self.host.v, self.vspace)):
+                self.copier.upload(space[j:j + last * cap + 1:cap], host[:, p])
             self.stats.h2d_bytes += self.n_layers * self.layout.pair
         # rounds: contiguous page runs with at most half the ring of streamed pages each
         half = max(1, self.ring_pages // 2)
@@ -268,7 +289,7 @@ class PagedCache(CacheBase):
                                 f"or a larger arena")
         touched = range(first, n_pages)
         if n_pages != self._n_pages or any(p not in self.slot for p in touched):
-            self._plan(n_pages, upload_below=-(-self.length // PAGE_TOKENS))
+            self._plan(n_pages, upload_below=-(-self.length // PAGE_TOKENS), writing=touched)
         self._n = n
         if n <= MAX_N_Q:  # decode widths: computed on the host, one copy into the static buffers
             pos, slots = self._stage_step(n)

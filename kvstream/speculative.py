@@ -126,14 +126,15 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         draft = chain.propose(prompt + out, budget) if budget > 0 else []
         draft_s = time.perf_counter() - ts
         if queued is not None:  # this round's step is already on the device
-            (start, logits), queued = queued, None
+            (start, logits, stats), queued = queued, None
         else:
             start = cache.length
             logits = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True)
+            stats = cache.stats  # this step's (a queued next step gets its own)
         if ahead and not draft and chain.idle and len(out) + 1 < max_new_tokens:
             tok = sampler(logits[0])  # what accept() samples for a round without a draft, kept on the device
             readback.start(tok)
-            queued = (cache.length, model(tok.view(1), cache, all_logits=True))  # the next round's step
+            queued = (cache.length, model(tok.view(1), cache, all_logits=True), cache.stats)  # the next round's step
             kept = [int(readback.read())]
         else:
             kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
@@ -149,12 +150,14 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         step_s = time.perf_counter() - ts
         timing.update(1 + len(draft), step_s - draft_s, draft_s, len(draft))
         drafted_total, accepted_total = drafted_total + len(draft), accepted_total + len(kept) - 1
+        # this round's length and stats, not those of a step queued after it
         records.append(StepRecord.of(len(records), cache, len(kept), step_s, verify_width=1 + len(draft),
                                      drafted=len(draft), accepted=len(kept) - 1, draft_s=draft_s,
-                                     draft_active=bool(control and control.active), speculator=winner))
+                                     draft_active=bool(control and control.active), speculator=winner,
+                                     context=start + len(kept), stats=stats))
         bar.update(len(kept))
         if control is not None:
-            control.after_step(len(records) - 1, len(kept), step_s)
+            control.after_step(len(records) - 1, len(kept), step_s, length=start + len(kept))
         last = (len(draft), len(kept) - 1)  # (0, 0) after a round without a draft: no change
         n_round = length_policy.decide(LengthSnapshot(
             n_max, *last, accepted_total / drafted_total if drafted_total else None, dict(timing.width_s),

@@ -40,9 +40,13 @@ class StepRecord:
     speculator: str = ""  # the chain's winner, if any
 
     @classmethod
-    def of(cls, step: int, cache, new_tokens: int, step_s: float, **spec) -> "StepRecord":
-        s = cache.stats
-        return cls(step, cache.length, -(-cache.length // PAGE_TOKENS), s.resident_pages, s.streamed_pages, s.rounds,
+    def of(cls, step: int, cache, new_tokens: int, step_s: float, *, context: int | None = None,
+           stats: StepStats | None = None, **spec) -> "StepRecord":
+        """The cache's state after the step; ``context`` / ``stats`` when the cache has already
+        moved on (a next step queued ahead)."""
+        s = stats or cache.stats
+        n = cache.length if context is None else context
+        return cls(step, n, -(-n // PAGE_TOKENS), s.resident_pages, s.streamed_pages, s.rounds,
                    s.h2d_bytes, s.d2h_bytes, new_tokens, step_s, **spec)
 
     def row(self) -> dict:

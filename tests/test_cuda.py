@@ -238,7 +238,7 @@ def test_run_ahead_decode_matches_step_by_step_and_keeps_the_host_store(tmp_path
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
     toks = torch.randint(0, 357, (t.PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
-    runs = []
+    runs, hosts = [], []
     for ahead in (False, True):
         mib = None if mode == "resident" else t.small_arena_mib(m, pages, 8)
         cache = t.paged(m, mode, mib=mib, max_tokens=2400)
@@ -246,5 +246,13 @@ def test_run_ahead_decode_matches_step_by_step_and_keeps_the_host_store(tmp_path
                      run_ahead=ahead)
         runs.append(g.tokens)
         assert cache.length == t.PROMPT + 299
-        assert host_matches_device(cache, tail=True) == 0
+        assert host_matches_device(cache, tail=True) == 0  # the resident pages
+        hosts.append((cache.host.k.clone(), cache.host.v.clone()))
     assert runs[0] == runs[1]
+    # every committed page, streamed ones included, against an eager resident run (same kernels)
+    ref = t.paged(m, "resident", max_tokens=2400)
+    assert generate(m, ref, toks, 300, Sampler(SamplingParams(), "cuda"), prefill_chunk=t.CHUNK).tokens == runs[0]
+    torch.cuda.synchronize()
+    full = ref.length // 256
+    for k, v in hosts:
+        assert torch.equal(k[:, :full], ref.host.k[:, :full]) and torch.equal(v[:, :full], ref.host.v[:, :full])

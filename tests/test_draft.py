@@ -5,6 +5,7 @@ acceptance, the vocabulary check."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import pytest
 import torch
@@ -70,6 +71,20 @@ def arena_mib(model, host, pages_per_layer, ring=4, **kw):
 def target_cache(model, mib, ring=4):
     return make_cache(CacheConfig(mode="stream", ring_pages=str(ring)), ArenaConfig(mib=str(mib)), model, 1024, CHUNK,
                       verify_width=9)
+
+
+class CountingModel:
+    """A model that counts its forward passes."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
 
 
 @dataclass
@@ -160,6 +175,8 @@ def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain, run_ahead)
     # step before reading each draft token
     g, draft, control, cache = run_with_draft(model, host, Scripted(at=3, back=8), run_ahead=run_ahead)
     assert g.tokens == plain and cache.length == len(PROMPT) + len(plain) - 1
+    # each record is its own round's, not a step queued after it: the context grows by new_tokens
+    assert [r.context for r in g.records] == list(accumulate((r.new_tokens for r in g.records), initial=len(PROMPT)))[1:]
     assert [t.action for t in control.transitions] == ["eject", "reenable"]
     active = [r.draft_active for r in g.records]
     assert active[:2] == [True, True] and not any(active[3:7]) and all(active[8:])
@@ -174,12 +191,20 @@ def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain, run_ahead)
 def test_a_stop_token_while_ejected_rolls_the_queued_step_back(model, host, plain):
     g, *_ = run_with_draft(model, host, Scripted(at=1, back=99), run_ahead=True)
     first_plain = 1 + g.records[0].new_tokens  # tokens from here on come from ejected rounds
-    # a stop token that first appears there (so the run stops in an ejected round)
-    k = next(i for i in range(first_plain, len(plain)) if plain[i] not in plain[:i])
-    g, draft, control, cache = run_with_draft(model, host, Scripted(at=1, back=99), run_ahead=True,
-                                              stop_ids=[plain[k]])
-    assert (g.tokens, g.stopped_on) == (plain[:k + 1], plain[k])
-    assert cache.length == len(PROMPT) + k  # the stop token is never fed
+    # a stop token that first appears there, after at least one queued step was used
+    k = next(i for i in range(first_plain + 2, len(plain)) if plain[i] not in plain[:i])
+    calls = {}
+    for run_ahead in (False, True):
+        counted = CountingModel(model)
+        cache = target_cache(model, arena_mib(model, host, 2))
+        draft = new_draft(host, run_ahead=run_ahead)
+        g = speculative_generate(counted, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=8,
+                                 prefill_chunk=CHUNK, control=DraftControl(draft, cache, Scripted(at=1, back=99)),
+                                 stop_ids=[plain[k]], run_ahead=run_ahead)
+        assert (g.tokens, g.stopped_on) == (plain[:k + 1], plain[k])
+        assert cache.length == len(PROMPT) + k  # the stop token is never fed
+        calls[run_ahead] = counted.calls
+    assert calls[True] == calls[False] + 1  # the step queued after the stop token, rolled back
 
 
 def test_onset_policy_ejects_when_the_context_outgrows_the_draft_active_pool(model, host, plain):

@@ -240,11 +240,48 @@ def test_run_ahead_generation_equals_step_by_step_and_rolls_back_after_a_stop(mo
 
     (plain, c0), (ahead, c1) = gen(False), gen(True)
     assert ahead.tokens == plain.tokens and len(ahead.records) == len(plain.records) == 11
+    assert [r.context for r in ahead.records] == [r.context for r in plain.records]
     assert c1.length == c0.length == PROMPT + 11
     k = 5
     t = plain.tokens[k]
     k = plain.tokens.index(t)  # its first occurrence stops the run
+    class Counting:  # the model, counting its forward passes
+        def __init__(self):
+            self.calls = 0
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            return model(*args, **kwargs)
+
     for run_ahead in (False, True):
-        g, cache = gen(run_ahead, stop=[t])
+        counted = Counting()
+        cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
+        g = generate(counted, cache, tokens[:PROMPT], 12, Sampler(SamplingParams()), prefill_chunk=CHUNK,
+                     stop_ids=[t], run_ahead=run_ahead)
         assert (g.tokens, g.stopped_on) == (plain.tokens[:k + 1], t)
         assert cache.length == PROMPT + k and len(g.records) == k  # the stop token is never fed
+        assert counted.calls == PROMPT // CHUNK + k + run_ahead  # prefill chunks, steps, the one queued ahead
+    assert generate(model, paged(model, "resident"), tokens[:PROMPT], 0, Sampler(SamplingParams()),
+                    prefill_chunk=CHUNK, run_ahead=True).tokens == []
+
+
+def test_pages_being_written_stay_resident_whatever_the_policy(model, tokens):
+    """sink_newest with 2 pages per layer keeps page 0 and the tail; a batch that writes the
+    last rows of one page and the first of the next needs both in the pool (the store kernel and
+    the write-back address them there): the engine makes them resident for that step."""
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8, residency="sink_newest")
+    ref = paged(model, "resident")
+    with torch.inference_mode():
+        logits = []
+        for c in (cache, ref):
+            prefill(model, c, tokens[:506], CHUNK)  # prefill phase throughout: its smaller pool
+            model(torch.tensor(tokens[506:515]), c)  # rows 506..514: pages 1 and 2
+            logits.append(model(torch.tensor(tokens[515:516]), c))
+    assert cache.capacity == 2 and set(cache.slot) == {1, 2}  # the policy alone would keep {0, 2}
+    for host, other in ((cache.host.k, ref.host.k), (cache.host.v, ref.host.v)):
+        assert torch.equal(host[:, 1], other[:, 1])  # page 1, completed by the crossing batch
+    # page 1 streams in the last step: merged partials, fp32 sums in another order
+    assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[1].abs().max()
