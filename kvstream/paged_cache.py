@@ -210,6 +210,14 @@ class PagedCache(CacheBase):
     def _pool_slot(self, layer: int, j: int) -> int:
         return self.ring_pages + layer * self.capacity + j
 
+    def _page_rows(self, p: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(host view, pool rows) of resident page ``p`` of every layer, for K and for V: the
+        pool holds layer l's copy ``capacity`` slots after layer l - 1's, so both sides are one
+        strided 2-D view (one copy each way)."""
+        j, last, cap = self._pool_slot(0, self.slot[p]), self.n_layers - 1, self.capacity
+        return ((self.host.k[:, p], self.kspace[j:j + last * cap + 1:cap]),
+                (self.host.v[:, p], self.vspace[j:j + last * cap + 1:cap]))
+
     def _plan(self, n_pages: int, upload_below: int, writing: range = range(0)) -> None:
         """Make the policy's resident set for ``n_pages`` pages current; pages entering it that
         hold committed rows (``< upload_below``) are uploaded from the host store. Pages being
@@ -231,11 +239,9 @@ class PagedCache(CacheBase):
                 self.slot[p] = free.pop(0)
                 if p < upload_below:
                     uploads.append(p)
-        last, cap = self.n_layers - 1, self.capacity
-        for p in uploads:  # the page of every layer: slots a capacity apart in the pool
-            j = self._pool_slot(0, self.slot[p])
-            for host, space in ((self.host.k, self.kspace), (self.host.v, self.vspace)):
-                self.copier.upload(space[j:j + last * cap + 1:cap], host[:, p])
+        for p in uploads:
+            for host, rows in self._page_rows(p):
+                self.copier.upload(rows, host)
             self.stats.h2d_bytes += self.n_layers * self.layout.pair
         # rounds: contiguous page runs with at most half the ring of streamed pages each
         half = max(1, self.ring_pages // 2)
@@ -395,13 +401,10 @@ class PagedCache(CacheBase):
 
     def commit(self) -> None:
         """The new rows become history; their pages go back to the host store (one 2-D copy
-        per page for K and one for V: the page of every layer, at a stride of ``capacity``
-        slots in the pool, into the host's layer-strided view)."""
+        per page for K and one for V)."""
         first, end = self.length // PAGE_TOKENS, -(-(self.length + self._n) // PAGE_TOKENS)
-        last, cap = self.n_layers - 1, self.capacity
-        for p in range(first, end):
-            j = self._pool_slot(0, self.slot[p])  # every written page is resident (begin)
-            for host, space in ((self.host.k, self.kspace), (self.host.v, self.vspace)):
-                self.copier.write_back(host[:, p], space[j:j + last * cap + 1:cap])
+        for p in range(first, end):  # every written page is resident (begin)
+            for host, rows in self._page_rows(p):
+                self.copier.write_back(host, rows)
         self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
         super().commit()
