@@ -29,7 +29,7 @@ from experiments.bench_peers import INSTRUCTION, kvstream_config, kvstream_model
 from experiments.draft_threshold import review_prompt
 from kvstream.cache_factory import make_cache
 from kvstream.cuda_graph import GraphedModel
-from kvstream.generate import generate, prefill_phase, warm_up
+from kvstream.generate import generate, prefill_phase, sync_device, warm_up
 from kvstream.registry import resolve_model
 from kvstream.sampling import Sampler
 
@@ -43,11 +43,6 @@ def _timed(fn, times: dict, key: str):
         times[key] = times.get(key, 0.0) + time.perf_counter() - t0
         return out
     return wrapper
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -64,7 +59,7 @@ def measure(path, context: int, steps: int, device: str, profile: bool = False):
     cache.commit = _timed(cache.commit, times, "commit")
     sampler = Sampler(cfg.sampling, cfg.hardware.device)
     rows = []
-    _sync(model.device)
+    sync_device(model.device)
     for i in range(steps):
         times.clear()
         t0 = time.perf_counter()
@@ -75,17 +70,17 @@ def measure(path, context: int, steps: int, device: str, profile: bool = False):
         logits = step(ids, cache)[-1]
         t3 = time.perf_counter()
         rows.append({"step": i, "sample": t1 - t0, "token": t2 - t1, "call": t3 - t2, **times})
-    _sync(model.device)
+    sync_device(model.device)
     df = pd.DataFrame(rows)
     df["wall"] = df[["sample", "token", "call"]].sum(axis=1)
     df["gpu"] = float("nan")
     if isinstance(step, GraphedModel):  # the captured step alone, back to back
         graph, _ = step.graphs[(1, False)]
-        _sync(model.device)
+        sync_device(model.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             graph.replay()
-        _sync(model.device)
+        sync_device(model.device)
         df["gpu"] = (time.perf_counter() - t0) / steps
     fresh = make_cache(cfg.cache, cfg.arena, model, len(prompt) + steps + 1, cfg.prefill_chunk)
     g = generate(step, fresh, prompt, steps + 1, sampler, prefill_chunk=cfg.prefill_chunk)

@@ -47,7 +47,7 @@ class Generation:
     records: list[StepRecord] = field(default_factory=list)  # one per decode step
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -68,11 +68,11 @@ def prefill(model, cache, prompt: list[int], chunk: int) -> torch.Tensor:
 def prefill_phase(model, cache, prompt: list[int], chunk: int) -> tuple[torch.Tensor, float]:
     """The prefill phase, timed: the prompt in chunks, then the cache switches to decode.
     Returns the last logits [vocab] and the seconds it took (device synchronised)."""
-    _sync(model.device)
+    sync_device(model.device)
     t0 = time.perf_counter()
     logits = prefill(model, cache, prompt, chunk)
     cache.set_phase("decode")
-    _sync(model.device)
+    sync_device(model.device)
     return logits, time.perf_counter() - t0
 
 
@@ -84,7 +84,7 @@ def warm_up(model, cache, widths, *more: Callable[[], None]) -> float:
     warm_widths(model, cache, widths)
     for f in more:
         f()
-    _sync(model.device)
+    sync_device(model.device)
     return time.perf_counter() - t0
 
 
@@ -95,12 +95,12 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
              run_ahead: bool | None = None) -> Generation:
     """Generate up to ``max_new_tokens`` after ``prompt``; stop early on any of ``stop_ids``.
 
-    With ``run_ahead`` (default: on CUDA) the host runs one step ahead: the sampled token stays on the device and feeds the
-    next step, which is queued before the host reads the token back, so the host's part of a
-    step (the stop check, the cache's bookkeeping, the launches) overlaps the GPU's. A stop
-    token read back then has one step queued after it: that step's row is rolled back
-    (``cache.truncate``). Without it each token is read before the next step starts (on the
-    CPU nothing overlaps, and a stop would cost a step)."""
+    With ``run_ahead`` (default: on CUDA) the host runs one step ahead: the sampled token stays
+    on the device and feeds the next step, which is queued before the host reads the token
+    back, so the host's part of a step (the stop check, the cache's bookkeeping, the launches)
+    overlaps the GPU's. A stop token read back then has one step queued after it: that step's
+    row is rolled back (``cache.truncate``). Without it each token is read before the next
+    step starts (on the CPU nothing overlaps, and a stop would cost a step)."""
     stop = set(stop_ids)
     dev = model.device
     ahead = dev.type == "cuda" if run_ahead is None else run_ahead
@@ -140,7 +140,7 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
             break
         if not queued:
             logits = step(tok)
-    _sync(dev)
+    sync_device(dev)
     t2 = time.perf_counter()
     return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1, warm_s), stopped, kept,
                       records)

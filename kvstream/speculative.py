@@ -33,7 +33,7 @@ from tqdm import tqdm
 from policies.chain_order import ChainSnapshot
 from policies.draft_length import Fixed, LengthSnapshot
 
-from .generate import Generation, GenerationStats, _sync, prefill_phase, warm_up
+from .generate import Generation, GenerationStats, sync_device, prefill_phase, warm_up
 from .readback import Readback
 from .sampling import Sampler
 from .telemetry import StepRecord
@@ -105,7 +105,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
     t0 = time.perf_counter()
     chain.begin(prompt)  # a draft model reads the prompt here: part of the prefill phase
-    _sync(dev)
+    sync_device(dev)
     prefill_s += time.perf_counter() - t0
     warm_s = warm_up(model, cache, [(w, True) for w in range(1, n_max + 2)], chain.warm)
     t1 = time.perf_counter()
@@ -169,7 +169,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     if queued is not None:  # queued after the stop token that ended the loop: not part of the output
         cache.truncate(queued[0])
     bar.close()
-    _sync(dev)
+    sync_device(dev)
     t2 = time.perf_counter()
     stopped = out[-1] if out[-1] in stop else None
     return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1, warm_s), stopped, [],

@@ -199,8 +199,7 @@ class DraftModel(Speculator):
         for i in range(n_max):
             if self.sampler.params.greedy:  # acceptance compares argmaxes: no distribution needed
                 top = _top(logits)
-                more = i + 1 < n_max
-                if more and self.run_ahead and self.cache.length < self.kv_tokens:  # (no window restart)
+                if i + 1 < n_max and self.run_ahead and self.cache.length < self.kv_tokens:  # (no window restart)
                     self._readback.start(top)
                     start = self.cache.length
                     logits = self.model(top[1:].long(), self.cache)[-1]  # the next step, queued
