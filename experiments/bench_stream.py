@@ -9,12 +9,13 @@ mode (the whole context in the arena), then stream mode with arenas holding a fr
 pages. Reported per run: decode tok/s, pages streamed per layer, host->device bytes per step
 and their rate against the pinned-copy ceiling measured in the same run, the step time against
 max(compute-only = resident step, transfer-only = bytes / ceiling), and device memory in use
-against weights + arena.
+during decode (as the driver counts it, less the CUDA context) against weights + arena.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import pandas as pd
 import torch
 
 from kvstream.arena import MIB
-from kvstream.cache_factory import make_cache, reserve_slab
+from kvstream.cache_factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.cuda_graph import GraphedModel
 from kvstream.loader import ModelConfig, random_weights
@@ -77,6 +78,12 @@ def transfer_only_ms(cache, reps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+def device_used_mib() -> float:
+    """Device memory in use, as the driver counts it (torch's pools, ours and the context)."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / MIB
+
+
 def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> dict:
     torch.manual_seed(0)
     with torch.inference_mode():
@@ -97,8 +104,8 @@ def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> d
     step = statistics.median(times[3:])
     xfer = transfer_only_ms(cache)
     return dict(step_ms=step * 1e3, tok_s=1 / step, streamed_pages=st.streamed_pages, resident_pages=st.resident_pages,
-                rounds=st.rounds, h2d_bytes=st.h2d_bytes, transfer_only_ms=xfer, mem_allocated_mib=torch.cuda.memory_allocated() / MIB,
-                mem_peak_mib=torch.cuda.max_memory_allocated() / MIB)
+                rounds=st.rounds, h2d_bytes=st.h2d_bytes, transfer_only_ms=xfer, device_used_mib=device_used_mib(),
+                torch_reserved_mib=torch.cuda.memory_reserved() / MIB)
 
 
 def main() -> None:
@@ -112,9 +119,10 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     ceiling = pinned_ceiling(dev)
+    torch.cuda.empty_cache()
+    context_mib = device_used_mib()  # the CUDA context and loaded kernels: not the run's
     model = random_model(QWEN15, dev, torch.bfloat16)
     weights_mib = torch.cuda.memory_allocated() / MIB
-    slab = reserve_slab(model, 1024)
     rows = []
     for ctx in args.contexts:
         max_tokens = ctx + args.steps + 8
@@ -122,17 +130,20 @@ def main() -> None:
         base_step = None
         for mode, frac in arms:
             cc = CacheConfig(mode=mode, type_k="q8_0", type_v="q4_0", ring_pages=args.ring if mode == "stream" else "0")
+            slabs = phase_slabs(cc, model, max_tokens, 1024)
             if frac is None:
                 mib = "auto"
             else:  # prefill slab + ring + frac of every layer's pages (decode frees the slab's excess)
+                slab = slabs["prefill"]
                 pair = 69632 + 36864
                 per_layer = -(-max_tokens // 256)
                 pages = QWEN15.n_layers * int(frac * per_layer)
                 ring = 2 * (per_layer - int(frac * per_layer)) if args.ring == "auto" else int(args.ring)
                 mib = str((slab + (pages + ring) * pair) / MIB + 1)
+            gc.collect()  # the previous arm's cache and the reserve passes' scratch caches
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            cache = make_cache(cc, ArenaConfig(mib=mib), model, max_tokens, 1024)
+            before_mib = torch.cuda.memory_reserved() / MIB  # weights (and their allocator slack)
+            cache = make_cache(cc, ArenaConfig(mib=mib), model, max_tokens, 1024, slabs=slabs)
             r = decode_run(model, cache, ctx, args.steps, graphs=not args.eager)
             arena_mib = cache.arena.nbytes / MIB
             if mode == "resident":
@@ -142,7 +153,14 @@ def main() -> None:
             r.update(context=ctx, mode=mode, fraction=frac, arena_mib=arena_mib, capacity=cache.capacity,
                      weights_mib=weights_mib, copy_gbps=copy_gbps, frac_of_pinned_ceiling=copy_gbps / ceiling,
                      overlap_ratio=r["step_ms"] / max(base_step, transfer_ms), pinned_ceiling_gbps=ceiling,
-                     bound_mib=weights_mib + arena_mib)
+                     bound_mib=weights_mib + arena_mib, mem_device_mib=r["device_used_mib"] - context_mib,
+                     slab_mib=cache.layout.slab / MIB, slab_used_mib=cache.slab_pool.segments.bytes / MIB,
+                     torch_before_mib=before_mib)
+            # what the run holds beyond its arena (torch's segments, less the slab pool's, which
+            # lie inside the arena): the logits handed to the caller, a new stream's cuBLAS
+            # workspace; and the whole device (driver count, kernel code included) beyond bound
+            run_mib = r["torch_reserved_mib"] - cache.slab_pool.segments.bytes / MIB - before_mib
+            r.update(run_beyond_arena_mib=run_mib - arena_mib, device_beyond_mib=r["mem_device_mib"] - r["bound_mib"])
             rows.append(r)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             del cache
@@ -154,7 +172,7 @@ def main() -> None:
     df.to_csv(out / "stream_decode.csv", index=False)
     cols = ["context", "mode", "fraction", "arena_mib", "capacity", "streamed_pages", "rounds", "tok_s",
             "transfer_only_ms", "copy_gbps",
-            "frac_of_pinned_ceiling", "overlap_ratio", "mem_allocated_mib", "mem_peak_mib", "bound_mib"]
+            "frac_of_pinned_ceiling", "overlap_ratio", "slab_mib", "slab_used_mib", "run_beyond_arena_mib", "torch_before_mib", "bound_mib", "device_beyond_mib"]
     print(df[cols].round(3).to_string(index=False))
     print(f"pinned ceiling {ceiling:.1f} GB/s")
 

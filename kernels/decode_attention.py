@@ -222,6 +222,12 @@ def num_splits(n_kv_heads: int, max_tiles: int, device: torch.device,
     return max(1, min(max_tiles, triton.cdiv(programs_per_sm * _n_sm(device), n_kv_heads)))
 
 
+def splits_for(n_q: int, n_heads: int, n_kv_heads: int, max_keys: int, device: torch.device) -> int:
+    """The split count ``decode_attention`` uses for ``max_keys`` keys (its launch table's tile)."""
+    block_n, _, _, programs_per_sm = LAUNCH[max(16, triton.next_power_of_2(n_q * (n_heads // n_kv_heads)))]
+    return num_splits(n_kv_heads, triton.cdiv(max_keys, block_n) + 1, device, programs_per_sm)
+
+
 def _device_scalar(x, device: torch.device, name: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or x.dtype not in (torch.int32, torch.int64) or x.device != device:
@@ -273,7 +279,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         max_keys = min(max_keys, max(1, key_end - key_start))
     block_n, num_warps, num_stages, programs_per_sm = LAUNCH[block_m]
     if n_splits is None:
-        n_splits = num_splits(h, triton.cdiv(max_keys, block_n) + 1, dev, programs_per_sm)
+        n_splits = splits_for(n_q, n_heads, h, max_keys, dev)
     write_out = n_splits == 1 and not return_partials
     if out is None:
         out = torch.empty_like(q)

@@ -13,6 +13,8 @@ changes between cache modes. ``truncate(length)`` rolls back rejected speculativ
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,12 @@ class CacheBase:
 
     length: int = 0
     _n: int = 0  # tokens of the forward pass in progress
+    slab_pool = None  # where a forward pass's device buffers come from (kvstream.slab_pool); None: torch's
+
+    def compute(self):
+        """The scope of a forward pass's device buffers: a paged cache on CUDA puts them in its
+        arena's slab; elsewhere torch's allocator as usual."""
+        return contextlib.nullcontext() if self.slab_pool is None else self.slab_pool.scope()
 
     def set_phase(self, phase: str) -> None:
         """Re-lay memory for a phase ("prefill", "decode"); nothing to do without an arena."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS, PageFormat
 from policies.residency import RESIDENCY
 
@@ -11,24 +12,65 @@ from .arena import ALIGN, MIB, Arena
 from .cache import ContiguousCache
 from .config import ArenaConfig, CacheConfig
 from .paged_cache import PagedCache
+from .slab_pool import SlabPool
 
 
-def reserve_slab(model, n_tokens: int) -> int:
+class _OneLayer(PagedCache):
+    """Every layer attends through layer 0: a reserve pass's buffers without every layer's pages."""
+
+    def attend(self, layer, q, k_new, v_new):
+        return super().attend(0, q, k_new, v_new)
+
+
+def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, ring_pages: int | None) -> PagedCache:
+    """A one-layer paged cache like the real one, at the end of its context: with an explicit
+    ring, as few resident pages as a batch allows (the most streaming rounds, whose attention
+    partials all live until they merge)."""
+    c = model.cfg
+    pages = -(-max_tokens // PAGE_TOKENS)
+    pair = (PageFormat(type_k, c.n_kv_heads, c.head_dim).page_bytes
+            + PageFormat(type_v, c.n_kv_heads, c.head_dim).page_bytes)
+    stream = bool(ring_pages)
+    resident = min(pages, max(2, -(-n // PAGE_TOKENS) + 1)) if stream else pages
+    cache = _OneLayer(n_layers=1, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=max_tokens,
+                      type_k=type_k, type_v=type_v, mode="stream" if stream else "resident",
+                      arena=Arena(((ring_pages or 0) + resident) * pair + 4 * ALIGN, model.device),
+                      ring_pages=ring_pages or None if stream else 0, slabs={"prefill": 0, "decode": 0},
+                      verify_width=n)
+    cache.length = max_tokens - n  # rows are never initialised: only the buffers are measured
+    if n <= MAX_N_Q:
+        cache.set_phase("decode")
+    return cache
+
+
+def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k: str = "q8_0",
+                 type_v: str = "q4_0", ring_pages: int | None = None, all_logits: bool = False) -> int:
     """Bytes of compute buffers one forward pass of ``n_tokens`` needs (the phase's peak).
 
-    On CUDA a reserve pass measures it: one forward through a scratch cache, peak allocated
-    bytes above the baseline. Elsewhere (no allocator statistics) it is the sum of the largest
-    live activations of one layer plus the logits, from the shapes."""
+    On CUDA a reserve pass measures it: the real forward pass, at the end of a ``max_tokens``
+    context (prefill attention gathers the whole prefix there), through a one-layer scratch
+    paged cache of the same page types and ring (``None``: automatic, one round), in a
+    measuring pool: the segment bytes torch's allocator takes, its rounding included: what
+    the slab pool will be asked for. Elsewhere (the slab is bookkeeping there) it is the sum
+    of the largest live activations of one layer plus the last logits, from the shapes."""
     c = model.cfg
     if model.device.type == "cuda":
-        scratch = ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, n_tokens, model.dtype, model.device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with torch.inference_mode():
-            model(torch.zeros(n_tokens, dtype=torch.long, device=model.device), scratch)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        max_tokens = max(max_tokens or n_tokens, n_tokens)
+        scratch = _scratch_cache(model, n_tokens, max_tokens, type_k, type_v, ring_pages)
+        # a prefill pass's sizes grow with the prefix, but not monotonically in segments (torch
+        # gives a 1-10 MiB block a 20 MiB segment, a larger one its size): measure where every
+        # chunk of a prompt read from the start ends; a decode step's sizes do not change
+        ends = range(n_tokens, max_tokens + 1, n_tokens) if n_tokens > MAX_N_Q else ()
+        peak = 0
+        for end in sorted({*ends, max_tokens}):
+            scratch.length = end - n_tokens
+            meter = SlabPool(name="reserve pass")
+            with torch.inference_mode(), meter.scope():
+                model.forward(torch.zeros(n_tokens, dtype=torch.long, device=model.device), scratch, all_logits)
+            torch.cuda.synchronize()
+            meter.close(collect=False)
+            peak = max(peak, meter.peak)
+        return peak
     width = 3 * c.hidden + (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.ffn
     return n_tokens * width * model.dtype.itemsize + c.vocab_size * 4  # logits of the last token
 
@@ -41,12 +83,32 @@ def paged_bytes(cfg, type_k: str, type_v: str, max_tokens: int, slab: int, ring_
     return slab + pages * pair + 4 * ALIGN
 
 
+def phase_slabs(cache: CacheConfig, model, max_tokens: int, prefill_chunk: int, verify_width: int = 1,
+                all_logits: bool = False) -> dict[str, int]:
+    """The compute slab of each phase (``reserve_slab``) for a cache of ``max_tokens`` tokens."""
+    ring = None if str(cache.ring_pages) == "auto" else int(cache.ring_pages)
+    kv = dict(max_tokens=max_tokens, type_k=cache.type_k, type_v=cache.type_v,
+              ring_pages=ring if cache.mode == "stream" else 0)
+    slabs = {"prefill": reserve_slab(model, min(prefill_chunk, max_tokens), all_logits=all_logits, **kv),
+             "decode": reserve_slab(model, min(verify_width, max_tokens), **kv)}
+    if model.device.type == "cuda":
+        # prefill: a last partial chunk ends between the measured ends: one large segment more;
+        # decode: every captured width keeps its output ([w, vocab] fp32) and the step graphs
+        # of widths 1..verify_width may all be captured, plus a small segment of slack
+        slabs["prefill"] += 20 * MIB
+        widths = range(1, min(verify_width, max_tokens) + 1)
+        slabs["decode"] += (sum(widths) + 1) * model.cfg.vocab_size * 4 + 2 * MIB
+    return slabs
+
+
 def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, prefill_chunk: int,
-               verify_width: int = 1, pinned_bytes: int = 0):
+               verify_width: int = 1, pinned_bytes: int = 0, all_logits: bool = False,
+               slabs: dict[str, int] | None = None):
     """The cache ``cache.mode`` names for ``max_tokens`` tokens. The phases' compute slabs are
-    reserved for ``prefill_chunk`` tokens (prefill) and ``verify_width`` tokens (decode: 1 +
-    the most draft tokens a verify batch carries). ``arena.mib=auto`` leaves room for
-    ``pinned_bytes`` more in the pinned region (a draft)."""
+    reserved for ``prefill_chunk`` tokens (prefill; ``all_logits``: with every token's logits,
+    as perplexity asks) and ``verify_width`` tokens (decode: 1 + the most draft tokens a verify
+    batch carries), unless ``slabs`` gives them (``phase_slabs``, already measured).
+    ``arena.mib=auto`` leaves room for ``pinned_bytes`` more in the pinned region (a draft)."""
     c = model.cfg
     if cache.mode == "contiguous":
         return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, model.dtype, model.device)
@@ -55,7 +117,7 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
     if cache.residency not in RESIDENCY:
         raise ValueError(f"cache.residency={cache.residency!r}; choose one of {', '.join(RESIDENCY)}")
     ring = None if str(cache.ring_pages) == "auto" else int(cache.ring_pages)
-    slabs = {"prefill": reserve_slab(model, prefill_chunk), "decode": reserve_slab(model, verify_width)}
+    slabs = slabs or phase_slabs(cache, model, max_tokens, prefill_chunk, verify_width, all_logits)
     slab = max(slabs.values())
     if arena.mib == "auto":  # room for every page of the context: nothing needs to stream
         ring_pages = (ring or 2) if cache.mode == "stream" else 0

@@ -14,6 +14,8 @@ logits are bit-identical: tested on the H200 (tests/test_cuda.py) up to 1K token
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kernels.decode_attention import MAX_N_Q
@@ -28,7 +30,9 @@ class GraphedModel:
         self.model = model
         self.tokens = torch.zeros(max_width, dtype=torch.long, device=model.device)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()  # for caches without a slab
+        # warm-ups and captures run on one side stream, so a slab's segments serve both
+        self.stream = torch.cuda.Stream(model.device)
         self.plan = None
         self.captures = 0
 
@@ -37,8 +41,11 @@ class GraphedModel:
 
     def __call__(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
         n = tokens.shape[0]
-        if n > self.tokens.shape[0] or not hasattr(cache, "plan_key"):
-            return self.model(tokens, cache, all_logits)  # prefill chunks, caches without static buffers
+        if n > self.tokens.shape[0] or not hasattr(cache, "plan_key") or (
+                cache.slab_pool is not None and cache.phase == "prefill"):
+            # prefill chunks (a short last one too: a prefill slab starts each pass empty),
+            # caches without static buffers
+            return self.model(tokens, cache, all_logits)
         pos = cache.begin(n)
         plan = (id(cache), cache.plan_key())
         if plan != self.plan:  # a new plan: the old graphs will not replay again
@@ -57,14 +64,16 @@ class GraphedModel:
 
     def _capture(self, n, pos, cache, all_logits):
         body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits)
-        side = torch.cuda.Stream()
+        side, slab = self.stream, cache.slab_pool
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture (Triton compiles, allocator)
+        with torch.cuda.stream(side), cache.compute():  # warm-up outside the capture (Triton compiles, allocator)
             body()  # rewrites the same rows the replay writes: idempotent
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = body()
+        # with a slab, the captured step's buffers are the slab's (its out-of-memory errors too)
+        with slab.scope(route=False) if slab is not None else contextlib.nullcontext():
+            with torch.cuda.graph(graph, pool=self.pool if slab is None else slab.id, stream=side):
+                out = body()
         self.captures += 1
         return graph, out
 

@@ -1,4 +1,5 @@
-"""``cudaMemcpy2DAsync`` from the CUDA runtime torch has loaded (through ctypes).
+"""``cudaMemcpy2DAsync``, ``cudaMalloc`` and ``cudaFree`` from the CUDA runtime torch has
+loaded (through ctypes).
 
 torch copies into a strided pinned host view (one page of every layer of the host store)
 through a pageable temporary and a host sync; one 2-D copy is asynchronous: the decode step's
@@ -28,6 +29,8 @@ def _runtime() -> ctypes.CDLL:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                            ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
             fn.restype = ctypes.c_int
+            lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+            lib.cudaFree.argtypes = [ctypes.c_void_p]
             return lib
     raise RuntimeError(f"libcudart is not among this process's mapped libraries (torch {torch.__version__}); "
                        f"cannot issue 2-D copies")
@@ -46,3 +49,16 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
                                        _DEFAULT, stream.cuda_stream)
     if err:
         raise RuntimeError(f"cudaMemcpy2DAsync of {rows} rows x {width} bytes failed with CUDA error {err}")
+
+
+def device_malloc(nbytes: int) -> int:
+    """A raw ``cudaMalloc`` (the measuring slab pool's segments): the address."""
+    ptr = ctypes.c_void_p()
+    err = _runtime().cudaMalloc(ctypes.byref(ptr), nbytes)
+    if err:
+        raise RuntimeError(f"cudaMalloc of {nbytes} bytes failed with CUDA error {err}")
+    return ptr.value
+
+
+def device_free(ptr: int) -> None:
+    _runtime().cudaFree(ctypes.c_void_p(ptr))

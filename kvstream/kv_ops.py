@@ -19,6 +19,7 @@ class KVOps:
 
             self._store, self._gather = store.store, gather.gather
             self._attn, self._merge = decode_attention.decode_attention, decode_attention.merge
+            self._splits = decode_attention.splits_for
 
     def store(self, pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fmt: PageFormat) -> None:
         (self._store if self.triton else reference.store)(pool, rows, slots, fmt)
@@ -26,10 +27,15 @@ class KVOps:
     def gather(self, pool, page_ids, n_tokens: int, fmt: PageFormat, dtype) -> torch.Tensor:
         return (self._gather if self.triton else reference.gather)(pool, page_ids, n_tokens, fmt, dtype)
 
-    def partials(self, q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start=None, key_end=None):
+    def partials(self, q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start=None, key_end=None,
+                 max_keys: int | None = None):
+        """The kernel's partials over keys [key_start, key_end); ``max_keys`` (a bound on that
+        range, known on the host) sizes the split count to it instead of to the whole table."""
         if self.triton:
+            n_splits = None if max_keys is None else self._splits(q.shape[0], q.shape[1], k_fmt.n_kv_heads,
+                                                                  max_keys, q.device)
             return self._attn(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start=key_start,
-                              key_end=key_end, return_partials=True)
+                              key_end=key_end, return_partials=True, n_splits=n_splits)
         return reference.decode_attention_partials(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt,
                                                    key_start=key_start, key_end=key_end)
 

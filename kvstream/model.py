@@ -81,9 +81,11 @@ class Qwen:
         The cache stores the n new K/V rows; positions continue from its current length.
         """
         pos = cache.begin(tokens.shape[0])
-        logits = self.body(tokens, pos, cache, all_logits)
+        with cache.compute():
+            logits = self.body(tokens, pos, cache, all_logits)
         cache.commit()
-        return logits
+        # a slab's buffers are the phase's: the caller keeps its own copy of the logits
+        return logits if cache.slab_pool is None else logits.clone()
 
     def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
         """The device side of ``forward`` between ``cache.begin`` and ``cache.commit``: no host

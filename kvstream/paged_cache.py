@@ -30,6 +30,7 @@ from .cache import CacheBase, ContextOverflow
 from .cudart import copy_rows
 from .host_store import HostStore
 from .kv_ops import KVOps
+from .slab_pool import SlabPool
 from .telemetry import StepStats
 
 MODES = ("resident", "stream")
@@ -120,6 +121,7 @@ class PagedCache(CacheBase):
         self._staged = [torch.cuda.Event() for _ in range(2)] if self.copier.cuda else None
         self._n_staged = 0
         self._layout_version = self._plan_version = 0
+        self.slab_pool: SlabPool | None = None  # CUDA: the current phase's compute buffers, in the slab
         self.relayout(slabs["prefill"])
 
     def set_phase(self, phase: str) -> None:
@@ -147,6 +149,22 @@ class PagedCache(CacheBase):
         copier = getattr(self, "copier", None)
         if copier is not None and copier.cuda:
             copier.stream.synchronize()
+        if getattr(self, "slab_pool", None) is not None:
+            self.slab_pool.pool = None  # its segments go before the arena's bytes can be reused
+
+    def compute(self):
+        """A forward pass's device buffers come from the slab (CUDA); a prefill pass starts on
+        an empty pool (its sizes grow with the prefix, see ``SlabPool.recycle``)."""
+        if self.slab_pool is not None and self.phase == "prefill":
+            self.slab_pool.recycle()
+        return super().compute()
+
+    def close_slab(self) -> None:
+        """Give the slab's compute buffers back (a draft's eject: its arena region is going);
+        the next layout makes a new pool."""
+        if self.slab_pool is not None:
+            self.slab_pool.close()
+            self.slab_pool = None
 
     def settle(self) -> None:
         """Work on the compute stream from now on runs after every write-back issued so far:
@@ -168,6 +186,9 @@ class PagedCache(CacheBase):
         """(Re)build the arena layout: at a phase switch, or when the pinned region changed."""
         # resident mode holds every page; streaming needs the pages one verify batch can write
         min_pages = self.max_pages if self.mode == "resident" else min(self.max_pages, 2)
+        if self.slab_pool is not None and (self.slab_pool.nbytes != slab_bytes
+                                           or self.slab_pool.base != self.arena.buf.data_ptr()):
+            self.close_slab()  # the slab moves or shrinks: its buffers go before pages take its bytes
         self.ring_pages = self.ring_request if self.ring_request is not None else self._auto_ring(slab_bytes)
         try:
             self.layout = self.arena.lay_out(slab_bytes, self.ring_pages, self.k_fmt.page_bytes,
@@ -176,6 +197,8 @@ class PagedCache(CacheBase):
             raise ArenaTooSmall(f"cache.mode={self.mode}, {self.max_tokens} tokens x {self.n_layers} layers "
                                 f"({self.k_fmt.kv_type.name}/{self.v_fmt.kv_type.name}): {e}") from None
         self.capacity = min(self.layout.pool_pages // self.n_layers, self.max_pages)  # pages per layer
+        if self.slab_pool is None and self.device.type == "cuda" and slab_bytes > 0:
+            self.slab_pool = SlabPool(self.arena.view(0, (slab_bytes,), torch.uint8), f"{self.phase} slab")
         self.kspace, self.vspace = self.arena.pages(self.layout)
         self.slot: dict[int, int] = {}  # resident logical page -> index in [0, capacity)
         self.tables_host = torch.zeros((self.n_layers, self.max_pages), dtype=torch.int32)
@@ -377,7 +400,8 @@ class PagedCache(CacheBase):
             else:
                 start, end = self.round_keys[r]
                 parts.append(self.ops.partials(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt,
-                                               self.v_fmt, key_start=start, key_end=end))
+                                               self.v_fmt, key_start=start, key_end=end,
+                                               max_keys=(b - a) * PAGE_TOKENS))
             if streamed:
                 self.copier.release(self._half(layer, r))
             self._prefetch(*((layer, r + 1) if r + 1 < len(self.rounds) else (layer + 1, 0)))

@@ -240,7 +240,7 @@ def test_run_ahead_decode_matches_step_by_step_and_keeps_the_host_store(tmp_path
     toks = torch.randint(0, 357, (t.PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
     runs, hosts = [], []
     for ahead in (False, True):
-        mib = None if mode == "resident" else t.small_arena_mib(m, pages, 8)
+        mib = None if mode == "resident" else t.small_arena_mib(m, pages, 8, max_tokens=2400)
         cache = t.paged(m, mode, mib=mib, max_tokens=2400)
         g = generate(GraphedModel(m), cache, toks, 300, Sampler(SamplingParams(), "cuda"), prefill_chunk=t.CHUNK,
                      run_ahead=ahead)
@@ -256,3 +256,53 @@ def test_run_ahead_decode_matches_step_by_step_and_keeps_the_host_store(tmp_path
     full = ref.length // 256
     for k, v in hosts:
         assert torch.equal(k[:, :full], ref.host.k[:, :full]) and torch.equal(v[:, :full], ref.host.v[:, :full])
+
+
+def test_slab_pool_serves_segments_from_its_region_and_names_the_numbers():
+    """torch's allocator over a region: blocks land inside it (never at its first byte, where
+    the buffer's own block starts), a segment that does not fit is ArenaTooSmall with the
+    sizes, and closing gives every segment back."""
+    from kvstream.arena import ArenaTooSmall
+    from kvstream.slab_pool import SlabPool
+
+    buf = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    lo, hi = buf.data_ptr(), buf.data_ptr() + (4 << 20)
+    slab = SlabPool(buf[:4 << 20], "test slab")
+    with slab.scope():
+        a = torch.ones(100_000, device="cuda")  # < 1 MiB: one 2 MiB segment
+        b = a * 2
+    assert lo < a.data_ptr() < hi and lo < b.data_ptr() < hi and slab.segments.bytes == 2 << 20
+    with pytest.raises(ArenaTooSmall, match=r"test slab of 4\.00 MiB .* a 20\.00 MiB segment did not fit"):
+        with slab.scope():
+            torch.empty(3 << 20, dtype=torch.uint8, device="cuda")  # 1-10 MiB blocks take 20 MiB segments
+    assert torch.equal(b, torch.full_like(b, 2.0))
+    del a, b
+    slab.close()
+    assert not slab.segments.live and slab.segments.holes == [(lo + 512, (4 << 20) - 512)]
+
+
+def test_decode_buffers_and_captured_graphs_live_in_the_arena(tmp_path):
+    """A graphed streaming decode allocates its step buffers and graph pool in the arena's slab:
+    every captured step's output lies in the arena, and the device memory the run adds beyond
+    the arena is only the caller's copies of the logits."""
+    import test_paged_cache as t
+    from kvstream.cuda_graph import GraphedModel
+
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
+    toks = torch.randint(0, 357, (t.PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    new = lambda: t.paged(m, "stream", mib=t.small_arena_mib(m, 6, 8, max_tokens=2400), ring=8, max_tokens=2400)
+    step = GraphedModel(m)
+    generate(step, new(), toks, 20, Sampler(SamplingParams(), "cuda"), prefill_chunk=t.CHUNK)  # compiles, cuBLAS
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    cache = new()
+    generate(step, cache, toks, 40, Sampler(SamplingParams(), "cuda"), prefill_chunk=t.CHUNK)
+    torch.cuda.synchronize()
+    added = free - torch.cuda.mem_get_info()[0]
+    lo, hi = cache.arena.buf.data_ptr(), cache.arena.buf.data_ptr() + cache.layout.slab
+    assert cache.phase == "decode" and cache.capacity < cache.max_pages and step.graphs
+    assert all(lo < out.data_ptr() < hi for _, out in step.graphs.values())
+    assert cache.slab_pool.segments.bytes > 0
+    # beyond the arena: the clones of the logits handed to the sampler (a 2 MiB segment or two)
+    assert added - cache.arena.nbytes <= 4 << 20, (added, cache.arena.nbytes)

@@ -9,7 +9,7 @@ from kernels import reference
 from kernels.formats import PAGE_TOKENS, PageFormat
 from kvstream.arena import ALIGN, MIB, Arena, ArenaTooSmall
 from kvstream.cache import ContextOverflow
-from kvstream.cache_factory import make_cache, reserve_slab
+from kvstream.cache_factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.generate import prefill
 from kvstream.model import load_model
@@ -42,9 +42,20 @@ def run(model, cache, tokens, decode=DECODE, chunk=CHUNK):
     return torch.stack(out)
 
 
+def slabs(model, ring, max_tokens=2048, types=("q8_0", "q4_0")):
+    """The phases' slabs; on CUDA (measured) the decode phase keeps the prefill's: the tiny
+    model's pages are ~50 KB and a 2 MiB allocator segment is 40 of them, so a shrinking slab
+    would leave every page resident where a test wants a given number."""
+    s = phase_slabs(CacheConfig(mode="stream", type_k=types[0], type_v=types[1], ring_pages=ring), model,
+                    max_tokens, CHUNK)
+    return {"prefill": max(s.values()), "decode": max(s.values())} if model.device.type == "cuda" else s
+
+
 def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048, residency="newest"):
-    return make_cache(CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring, residency=residency),
-                      ArenaConfig(mib="auto" if mib is None else str(mib)), model, max_tokens, CHUNK)
+    cfg = CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring, residency=residency)
+    fixed = mib is not None and model.device.type == "cuda"
+    return make_cache(cfg, ArenaConfig(mib="auto" if mib is None else str(mib)), model, max_tokens, CHUNK,
+                      slabs=slabs(model, ring, max_tokens, types) if fixed else None)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +68,11 @@ def resident_logits(model, tokens):
     return run(model, paged(model, "resident"), tokens)
 
 
-def small_arena_mib(model, pages_per_layer, ring):
-    """An arena whose decode layout holds exactly ``pages_per_layer`` resident pages per layer."""
-    return (reserve_slab(model, 1) + (SPEC.n_layers * pages_per_layer + ring) * pair_bytes() + 4 * ALIGN) / MIB
+def small_arena_mib(model, pages_per_layer, ring, max_tokens=2048):
+    """An arena whose decode layout holds exactly ``pages_per_layer`` resident pages per layer
+    (the decode slab as the cache reserves it: measured on CUDA)."""
+    slab = slabs(model, ring, max_tokens)["decode"]
+    return (slab + (SPEC.n_layers * pages_per_layer + ring) * pair_bytes() + 4 * ALIGN) / MIB
 
 
 def test_stream_one_round_is_bit_identical_to_resident(model, tokens, resident_logits):

@@ -79,7 +79,7 @@ def run(cfg: PplConfig, out=sys.stdout) -> dict:
               save_logits=cfg.save_logits, compare_logits=cfg.compare_logits)  # before loading the weights
     model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device)
     meta = {"text": source, "model": str(cfg.model.source), "hardware": dataclasses.asdict(cfg.hardware)}
-    new_cache = lambda n: make_cache(cfg.cache, cfg.arena, model, n, cfg.batch)  # one per chunk
+    new_cache = lambda n: make_cache(cfg.cache, cfg.arena, model, n, cfg.batch, all_logits=True)  # one per chunk
     result = perplexity(model, chunks, batch=cfg.batch, make_cache=new_cache, save_logits=cfg.save_logits,
                         compare_logits=cfg.compare_logits, logits_format=cfg.logits_format, meta=meta,
                         progress=cfg.progress)

@@ -105,19 +105,24 @@ class DraftModel(Speculator):
 
     def estimated_bytes(self) -> int:
         """What ``pin`` will take, before pinning (for ``arena.mib=auto``): weights with their
-        alignment, and the KV region with a compute slab from the shapes, doubled on CUDA where
-        ``pin`` measures the real peak (allocator rounding included)."""
-        slab = reserve_slab(self.host, self.chunk) * (2 if self.device.type == "cuda" else 1)
+        alignment, and the KV region with its compute slab."""
+        slab = self._reserve(self.host)
         return (self.host.nbytes + ALIGN * len(self.host.tensors())
                 + paged_bytes(self.host.cfg, self.type_k, self.type_v, self.kv_tokens, slab))
+
+    def _reserve(self, model) -> int:
+        """The draft's compute slab: none on CUDA, where its passes (catch-up chunks and captured
+        steps in one cache phase) use torch's allocator, a few MiB outside the arena; elsewhere
+        the bookkeeping of one catch-up chunk."""
+        return 0 if self.device.type == "cuda" else reserve_slab(model, self.chunk)
 
     def pin(self, arena: Arena) -> int:
         """Pin the weights and the draft KV into ``arena``'s pinned region; returns the bytes."""
         self._mark, before = arena.mark(), arena.pinned_bytes
         self.model = self.host.map_tensors(
             lambda name, t: arena.pin("draft." + name, tuple(t.shape), t.dtype).copy_(t, non_blocking=True))
-        if self.slab is None:  # the draft's compute peak: one catch-up chunk (measured on CUDA)
-            self.slab = reserve_slab(self.model, self.chunk)
+        if self.slab is None:
+            self.slab = self._reserve(self.model)
         if self.graphs:
             self.model = GraphedModel(self.model)
         c = self.model.cfg
@@ -136,7 +141,9 @@ class DraftModel(Speculator):
         """Give the pinned bytes back; the draft KV stays on the host. Returns the bytes freed."""
         if self.cache is not None:
             self.cache.settle()  # its write-backs still read the bytes being given back
-        self.model = None
+        self.model = None  # with its captured graphs, before their slab goes
+        if self.cache is not None:
+            self.cache.close_slab()
         self.enabled = False
         return arena.reset(self._mark)
 
