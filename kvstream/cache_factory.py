@@ -47,26 +47,36 @@ def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k:
                  type_v: str = "q4_0", ring_pages: int | None = None, all_logits: bool = False) -> int:
     """Bytes of compute buffers one forward pass of ``n_tokens`` needs (the phase's peak).
 
-    On CUDA a reserve pass measures it: the real forward pass, at the end of a ``max_tokens``
-    context (prefill attention gathers the whole prefix there), through a one-layer scratch
-    paged cache of the same page types and ring (``None``: automatic, one round), in a
-    measuring pool: the segment bytes torch's allocator takes, its rounding included: what
-    the slab pool will be asked for. Elsewhere (the slab is bookkeeping there) it is the sum
+    On CUDA reserve passes measure it: the real forward pass through a one-layer scratch paged
+    cache of the same page types and ring (``None``: automatic, one round) near the end of a
+    ``max_tokens`` context, in a measuring pool: the segment bytes torch's allocator takes,
+    its rounding included: what the slab pool will be asked for. A decode width
+    (``n_tokens <= MAX_N_Q``) stands for every width up to it, with their outputs kept. Elsewhere (the slab is bookkeeping there) it is the sum
     of the largest live activations of one layer plus the last logits, from the shapes."""
     c = model.cfg
     if model.device.type == "cuda":
         max_tokens = max(max_tokens or n_tokens, n_tokens)
         scratch = _scratch_cache(model, n_tokens, max_tokens, type_k, type_v, ring_pages)
-        # a prefill pass's sizes grow with the prefix, but not monotonically in segments (torch
-        # gives a 1-10 MiB block a 20 MiB segment, a larger one its size): measure where every
-        # chunk of a prompt read from the start ends; a decode step's sizes do not change
-        ends = range(n_tokens, max_tokens + 1, n_tokens) if n_tokens > MAX_N_Q else ()
+        if n_tokens > MAX_N_Q:
+            # a prefill pass's sizes grow with the prefix, but not monotonically in segments (torch
+            # gives a 1-10 MiB block a 20 MiB segment, a larger one its size): one pass, on an
+            # empty pool as in the real prefill, where each chunk of a prompt read from the start ends
+            ends = sorted({*range(n_tokens, max_tokens + 1, n_tokens), max_tokens})
+            passes = [[(n_tokens, end, all_logits)] for end in ends]
+        else:
+            # decode: every width a captured step may have, both logits kinds, in one pool; each
+            # output stays alive as a captured graph keeps its own
+            passes = [[(w, max_tokens, every) for w in range(1, n_tokens + 1) for every in (False, True)]]
         peak = 0
-        for end in sorted({*ends, max_tokens}):
-            scratch.length = end - n_tokens
-            meter = SlabPool(name="reserve pass")
+        for batch in passes:
+            meter, outs = SlabPool(name="reserve pass"), []
             with torch.inference_mode(), meter.scope():
-                model.forward(torch.zeros(n_tokens, dtype=torch.long, device=model.device), scratch, all_logits)
+                for n, end, every in batch:
+                    scratch.length = end - n
+                    pos = scratch.begin(n)
+                    outs.append(model.body(torch.zeros(n, dtype=torch.long, device=model.device), pos, scratch, every))
+                    scratch.commit()
+            del outs
             torch.cuda.synchronize()
             meter.close(collect=False)
             peak = max(peak, meter.peak)
@@ -93,11 +103,9 @@ def phase_slabs(cache: CacheConfig, model, max_tokens: int, prefill_chunk: int, 
              "decode": reserve_slab(model, min(verify_width, max_tokens), **kv)}
     if model.device.type == "cuda":
         # prefill: a last partial chunk ends between the measured ends: one large segment more;
-        # decode: every captured width keeps its output ([w, vocab] fp32) and the step graphs
-        # of widths 1..verify_width may all be captured, plus a small segment of slack
+        # decode: a small segment for what a graph capture allocates beyond the eager passes
         slabs["prefill"] += 20 * MIB
-        widths = range(1, min(verify_width, max_tokens) + 1)
-        slabs["decode"] += (sum(widths) + 1) * model.cfg.vocab_size * 4 + 2 * MIB
+        slabs["decode"] += 2 * MIB
     return slabs
 
 

@@ -47,6 +47,7 @@ class Segments:
         self.live: dict[int, int] = {}
         self.bytes = self.peak = 0
         self.refused = 0  # the last request that did not fit (bytes)
+        self.error = ""  # what went wrong inside a callback (they must not raise)
 
     def alloc(self, size: int, device: int, stream) -> int | None:
         try:  # a ctypes callback must not raise: None is torch's out-of-memory
@@ -64,7 +65,8 @@ class Segments:
             self.bytes += n
             self.peak = max(self.peak, self.bytes)
             return ptr
-        except Exception:  # noqa: BLE001 - reported as out of memory by torch
+        except Exception as e:  # noqa: BLE001 - torch sees out of memory; scope() reports this
+            self.error = f"{type(e).__name__}: {e}"
             return None
 
     def free(self, ptr: int, size: int, device: int, stream) -> None:
@@ -125,11 +127,13 @@ class SlabPool:
         """This thread's allocations come from the pool (``route=False``: only the errors, for a
         graph capture that routes its own); out of memory becomes ``ArenaTooSmall``."""
         _ready_blas(self.device)
-        self.segments.refused = 0
+        self.segments.refused, self.segments.error = 0, ""
         try:
             with torch.cuda.use_mem_pool(self.pool) if route else contextlib.nullcontext():
                 yield
         except torch.cuda.OutOfMemoryError as e:
+            if self.segments.error:
+                raise RuntimeError(f"{self.name}: a segment request failed: {self.segments.error}") from e
             if not self.segments.refused:
                 raise
             raise ArenaTooSmall(

@@ -112,7 +112,7 @@ class DraftModel(Speculator):
 
     def _reserve(self, model) -> int:
         """The draft's compute slab: none on CUDA, where its passes (catch-up chunks and captured
-        steps in one cache phase) use torch's allocator, a few MiB outside the arena; elsewhere
+        steps in one cache phase) use torch's allocator, outside the arena (not yet measured); elsewhere
         the bookkeeping of one catch-up chunk."""
         return 0 if self.device.type == "cuda" else reserve_slab(model, self.chunk)
 
@@ -141,9 +141,7 @@ class DraftModel(Speculator):
         """Give the pinned bytes back; the draft KV stays on the host. Returns the bytes freed."""
         if self.cache is not None:
             self.cache.settle()  # its write-backs still read the bytes being given back
-        self.model = None  # with its captured graphs, before their slab goes
-        if self.cache is not None:
-            self.cache.close_slab()
+        self.model = None
         self.enabled = False
         return arena.reset(self._mark)
 
