@@ -17,6 +17,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.formats import PAGE_TOKENS
 
@@ -25,6 +26,17 @@ from .telemetry import StepStats
 
 class ContextOverflow(ValueError):
     """More tokens than the cache was sized for."""
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [n, H, D] at the last n of the L positions of k / v [L, KVH, D] -> [n, H, D]: each
+    query sees the whole prefix and the new rows up to its own. The lower-right causal bias is
+    no tensor, so CUDA's flash backend runs it with GQA as is; a boolean mask would send SDPA
+    to a backend that first copies K and V once per query head (~190 MiB at 32K for the 1.5B)."""
+    n, L = q.shape[0], k.shape[0]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=causal_lower_right(n, L) if n > 1 else None, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 class CacheBase:
@@ -81,13 +93,5 @@ class ContiguousCache(CacheBase):
         lo, hi = self.length, self.length + self._n
         self.k[layer, lo:hi] = k_new
         self.v[layer, lo:hi] = v_new
-        k, v = self.k[layer, :hi], self.v[layer, :hi]
-        mask = None
-        if self._n > 1:  # causal within the new block, full prefix visible
-            mask = torch.arange(hi, device=q.device)[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
+        return causal_attention(q, self.k[layer, :hi], self.v[layer, :hi])
 

@@ -19,14 +19,13 @@ not change between modes. Per forward pass of n new tokens at positions [L, L + 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS, PageFormat
 from policies.residency import NewestResident
 
 from .arena import ALIGN, Arena, ArenaTooSmall, Layout
-from .cache import CacheBase, ContextOverflow
+from .cache import CacheBase, ContextOverflow, causal_attention
 from .cudart import copy_rows
 from .host_store import HostStore
 from .kv_ops import KVOps
@@ -418,10 +417,7 @@ class PagedCache(CacheBase):
             v[lo:hi] = self.ops.gather(self.vspace, table[a:b], hi - lo, self.v_fmt, q.dtype)
             self.copier.release(self._half(layer, r))
             self._prefetch(*((layer, r + 1) if r + 1 < len(self.rounds) else (layer + 1, 0)))
-        mask = torch.arange(L, device=q.device)[None, :] <= self.pos[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
-        return out[0].transpose(0, 1)
+        return causal_attention(q, k, v)
 
     def commit(self) -> None:
         """The new rows become history; their pages go back to the host store (one 2-D copy
