@@ -113,10 +113,16 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     stopped = None
     readback = Readback(dev, (), torch.long)
 
+    last = [t1]  # when the previous step was queued
+
     def step(tok: torch.Tensor) -> torch.Tensor:
-        ts = time.perf_counter()
         nxt = model(tok.view(1), cache)[-1]
-        records.append(StepRecord.of(len(records), cache, 1, time.perf_counter() - ts))  # host time: no sync
+        now = time.perf_counter()
+        # wall time since the previous step was queued: it includes the read-back of the token in
+        # between, so with the host a step ahead it is the device's step time (the host's own
+        # time per step would hide the device's), and without run-ahead the whole step
+        records.append(StepRecord.of(len(records), cache, 1, now - last[0]))
+        last[0] = now
         return nxt
 
     while len(out) < max_new_tokens:  # (0: no token at all)

@@ -6,6 +6,7 @@ import io
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from kvstream.cli.generate import FREE_TEXT, run
 from kvstream.config import GenerateConfig, quote_free_text, to_typed
 from kvstream.generate import generate
 from kvstream.model import load_model
-from kvstream.sampling import Sampler
+from kvstream.sampling import Sampler, SamplingParams
 from kvstream.tokenizer import Tokenizer
 from tiny_gguf import write_tiny_model
 
@@ -105,6 +106,20 @@ def test_run_prints_the_greedy_continuation_and_stats(tiny):
     ref = generate(model, model.new_cache(64), prompt, 12, Sampler(cfg.sampling))
     assert text == tok.decode(ref.tokens)
     assert stats.startswith(f"prompt {len(prompt)} tok | prefill ") and "decode 12 tok" in stats
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_plain_step_records_hold_wall_time_between_steps(tiny, ahead):
+    """A step record's step_s is the wall time since the previous step was queued, so host work
+    between tokens (here a 20 ms on_token) is in it: with the host a step ahead that makes it
+    the device's step time; the host's launch time alone would hide the device's."""
+    model = load_model(tiny)
+    g = generate(model, model.new_cache(64), [1, 2, 3, 4], 6, Sampler(SamplingParams()),
+                 on_token=lambda t: time.sleep(0.02), run_ahead=ahead)
+    assert len(g.records) == 5
+    # ahead: the first step is queued before the first token is read, so nothing sleeps before it
+    assert all(r.step_s >= 0.02 for r in g.records[ahead:])
+    assert sum(r.step_s for r in g.records) <= g.stats.decode_s
 
 
 def test_chat_template_and_sampling_run(tiny):
