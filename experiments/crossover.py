@@ -36,16 +36,17 @@ def require(df: pd.DataFrame, columns, what: str) -> None:
 
 
 def arm_order(arms) -> list[str]:
-    """none, keep, onset, keep_pages=N by N, auto, then anything else by name."""
+    """none, keep, onset, always, keep_pages=N by N, auto, then anything else by name."""
     def key(a: str):
         if a.startswith("keep_pages="):
             return (3, float(a.split("=", 1)[1]), a)
-        return ({"none": 0, "keep": 1, "onset": 2, "auto": 4}.get(a, 5), 0.0, a)
+        return ({"none": 0, "keep": 1, "onset": 2, "always": 3, "auto": 4}.get(a, 5), -1.0, a)
     return sorted(set(arms), key=key)
 
 
 def is_fixed(arm: str) -> bool:
-    return arm in ("keep", "onset") or arm.startswith("keep_pages=")
+    """A fixed threshold: keep (infinite), onset (the capacity), keep_pages=N, always (0 pages)."""
+    return arm in ("keep", "onset", "always") or arm.startswith("keep_pages=")
 
 
 def read_study(study: Path) -> tuple[pd.DataFrame, pd.DataFrame | None]:
@@ -151,7 +152,7 @@ def crossover(runs: pd.DataFrame, keep: str = "keep", eject: str = "onset", n_bo
 
 
 def best_threshold(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per context: the fastest fixed arm (keep, onset, keep_pages=N), plain decoding ("none"), and
+    """Per context: the fastest fixed arm (keep, onset, keep_pages=N, always), plain decoding ("none"), and
     auto against the best fixed arm (goal: ratio >= 0.95) when an "auto" arm exists."""
     wide = decode_table(runs).pivot(index="context", columns="arm", values="mean")
     fixed = arm_order(a for a in wide.columns if is_fixed(a))
@@ -173,7 +174,8 @@ def best_threshold(runs: pd.DataFrame) -> pd.DataFrame:
 @dataclass(frozen=True)
 class CostModel:
     """Target verify seconds = a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer; the draft
-    costs draft_s_per_token per drafted token; each drafted token is accepted with probability acceptance."""
+    costs draft_s_per_token per drafted token; each drafted token is accepted with probability
+    ``acceptance`` once the ones before it were (rms_residual_s: over design-point medians)."""
     a: float
     b: float
     c: float
@@ -195,13 +197,29 @@ class CostModel:
         return kept / (self.target_s(pages, streamed_pages, n_draft + 1) + n_draft * self.draft_s_per_token)
 
 
+def acceptance_per_token(drafting: pd.DataFrame) -> float:
+    """Maximum-likelihood per-token acceptance of drafting rounds: a round accepts its drafted
+    tokens up to the first rejection, so every accepted token is a success and a round that
+    stopped short adds one failure; accepted / drafted would also count the tokens after a
+    rejection, which were never tried (at alpha 0.7 and 8 drafted that is 0.28, not 0.7)."""
+    acc = drafting["accepted"]
+    tries = acc + (acc < drafting["drafted"])
+    return float(acc.sum() / tries.sum()) if tries.sum() else math.nan
+
+
 def fit_cost_model(steps: pd.DataFrame) -> CostModel:
-    """Least-squares fit of the target verify time (step_s - draft_s); draft time and acceptance pooled."""
+    """Least-squares fit of the target verify time (step_s - draft_s) on the median of each design
+    point (verify width, streamed pages, pages per layer), weighted by sqrt(steps): a step that also
+    ejected the draft or re-captured graphs (tens of ms) does not drag a line fitted to ~2 ms steps.
+    Draft time per drafted token pooled; acceptance per token (``acceptance_per_token``)."""
     require(steps, STEP_COLUMNS, "steps.csv")
     s = steps[list(STEP_COLUMNS)].astype(float).dropna()
-    X = np.column_stack([np.ones(len(s)), s["streamed_pages"], s["verify_width"] - 1, s["pages_per_layer"]])
-    y = (s["step_s"] - s["draft_s"]).to_numpy()
-    coef, _, rank, _ = np.linalg.lstsq(X, y, rcond=None)
+    s = s.assign(target_s=s["step_s"] - s["draft_s"])
+    g = s.groupby(["streamed_pages", "verify_width", "pages_per_layer"])["target_s"].agg(["median", "size"])
+    g = g.reset_index()
+    X = np.column_stack([np.ones(len(g)), g["streamed_pages"], g["verify_width"] - 1, g["pages_per_layer"]])
+    w = np.sqrt(g["size"].to_numpy(float))
+    coef, _, rank, _ = np.linalg.lstsq(X * w[:, None], g["median"].to_numpy() * w, rcond=None)
     if rank < 4:
         flat = [n for n in ("streamed_pages", "verify_width", "pages_per_layer") if s[n].nunique() < 2]
         raise ValueError(f"steps.csv ({len(s)} complete steps) cannot separate the cost terms: "
@@ -209,9 +227,10 @@ def fit_cost_model(steps: pd.DataFrame) -> CostModel:
                          f"the study needs contexts below and above the capacities")
     drafting = s[s["drafted"] > 0]
     n = drafting["drafted"].sum()
+    resid = X @ coef - g["median"].to_numpy()
     return CostModel(*map(float, coef), draft_s_per_token=drafting["draft_s"].sum() / n if n else math.nan,
-                     acceptance=drafting["accepted"].sum() / n if n else math.nan, n_steps=len(s),
-                     rms_residual_s=float(np.sqrt(np.mean((X @ coef - y) ** 2))))
+                     acceptance=acceptance_per_token(drafting), n_steps=len(s),
+                     rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))))
 
 
 def predicted_crossover(model: CostModel, capacity_with: float, capacity_without: float, n_draft: int,

@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.crossover import (PAGE, CostModel, analyze, best_threshold, crossover, decode_table,
-                                   fit_cost_model, main, predicted_crossover)
+from experiments.crossover import (PAGE, CostModel, acceptance_per_token, analyze, best_threshold, crossover,
+                                   decode_table, fit_cost_model, main, predicted_crossover)
 from experiments.plot_draft_thresholds import plot, title
 
 CAP_WITH, CAP_WITHOUT = 10, 40  # pages/layer that fit with / without the draft
@@ -51,9 +51,9 @@ def make_runs(arms=("none", "keep", "onset", "keep_pages=20", "auto"), reps=3, k
 
 
 def make_steps(model: CostModel = TRUE) -> pd.DataFrame:
-    """Noiseless steps: with the draft at widths 5 (mostly: the study's draft length) and 9, accepting
-    3/4 of the drafted tokens (acceptance exactly model.acceptance), and without it, over contexts on
-    both sides of the capacities."""
+    """Noiseless steps: with the draft at widths 5 (mostly: the study's draft length) and 9, each round
+    accepting 3 tokens (3 successes and one rejection: per-token acceptance exactly 0.75 =
+    model.acceptance), and without it, over contexts on both sides of the capacities."""
     rows = []
     for p in range(1, 61, 3):
         for drafted, cap in ((4, CAP_WITH), (4, CAP_WITH), (8, CAP_WITH), (0, CAP_WITHOUT)):
@@ -62,7 +62,7 @@ def make_steps(model: CostModel = TRUE) -> pd.DataFrame:
             rows.append(dict(run_id=f"r{drafted}", step=p, context=p * PAGE, pages_per_layer=p,
                              resident_pages=p - streamed, streamed_pages=streamed, rounds=1, h2d_bytes=0,
                              d2h_bytes=0, new_tokens=1, verify_width=1 + drafted, drafted=drafted,
-                             accepted=drafted * 3 // 4, draft_s=draft_s, draft_active=drafted > 0, speculator="",
+                             accepted=3 if drafted else 0, draft_s=draft_s, draft_active=drafted > 0, speculator="",
                              step_s=model.target_s(p, streamed, 1 + drafted) + draft_s))
     return pd.DataFrame(rows)
 
@@ -154,6 +154,29 @@ def test_cost_model_recovers_known_coefficients():
     assert m.tok_s(5, 0, False) == pytest.approx(1 / (0.020 + 0.0005))
     kept = (1 - 0.75 ** 5) / 0.25
     assert m.tok_s(5, 0, True, 4) == pytest.approx(kept / (0.020 + 0.004 + 0.0005 + 0.008))
+
+
+def test_cost_model_ignores_transition_outliers():
+    steps = pd.concat([make_steps()] * 3, ignore_index=True)  # three steps per design point
+    slow = steps.index[:len(steps) // 3][steps["drafted"][:len(steps) // 3] == 0][::7]
+    steps.loc[slow, "step_s"] += 0.040  # every 7th plain step of the first copy also ejected: 40 ms more
+    m = fit_cost_model(steps)
+    # each design point has at most one slow step of three, so its median is a clean step
+    for k in ("a", "b", "c", "d"):
+        assert getattr(m, k) == pytest.approx(getattr(TRUE, k), rel=1e-9, abs=1e-12), k
+
+
+def test_acceptance_is_per_token_not_the_accepted_fraction():
+    rng = np.random.default_rng(0)
+    alpha, n = 0.7, 8
+    # a round accepts drafts until the first rejection: geometric, capped at n
+    accepted = np.minimum(rng.geometric(1 - alpha, 20000) - 1, n)
+    steps = make_steps()
+    drafting = pd.DataFrame({"drafted": n, "accepted": accepted})
+    assert drafting.accepted.sum() / drafting.drafted.sum() == pytest.approx(0.28, abs=0.01)  # what it is not
+    # 20000 rounds: the MLE's standard error is ~0.003; 0.01 is > 3 of them
+    assert acceptance_per_token(drafting) == pytest.approx(alpha, abs=0.01)
+    assert fit_cost_model(steps).acceptance == pytest.approx(0.75, rel=1e-12)
 
 
 def test_predicted_crossover_matches_analytic():
