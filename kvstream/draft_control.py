@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from statistics import median
 from dataclasses import asdict, dataclass
 
 from kernels.formats import PAGE_TOKENS
 from policies.eject import Action, Snapshot
 
-GOODPUT_WINDOW = 16  # decode batches a goodput measurement averages over
+GOODPUT_WINDOW = 16  # decode batches a goodput measurement looks at
 GOODPUT_MIN = 4      # batches in a state before its goodput counts as measured
 
 
@@ -89,7 +90,9 @@ class DraftControl:
         if self.since > 0:  # the first batch after a transition carries the draft's catch-up: not steady state
             m.append((new_tokens, step_s))
         if len(m) >= GOODPUT_MIN:
-            self.measured[self.active] = (sum(t for t, _ in m) / sum(s for _, s in m), pages)
+            # mean tokens per batch over the median batch time: one slow batch (the draft still
+            # catching up after a re-enable: 30 ms among 8 ms rounds) must not flip the comparison
+            self.measured[self.active] = (sum(t for t, _ in m) / len(m) / median(s for _, s in m), pages)
         self.since += 1
         snap = self.snapshot(length)
         action = self.policy.decide(snap)

@@ -168,6 +168,16 @@ def test_eject_gives_the_draft_bytes_to_the_page_pool_and_reenable_takes_them_ba
     assert control.capacity_without == min(layout0.pool_pages // SPEC.n_layers, cache.max_pages)
 
 
+def test_goodput_shrugs_off_one_slow_batch(model, host):
+    control = DraftControl(new_draft(host), target_cache(model, arena_mib(model, host, 2)), Never())
+    # rounds of 5 tokens in 8 ms, one of them still carrying a re-enable's catch-up (32 ms): as
+    # sum(tokens) / sum(seconds) that reads 437 tok/s, below a plain rate of ~500, and auto
+    # would eject a draft that pays (seen on the H200)
+    for step, secs in enumerate([0.032] + [0.008] * 6):
+        control.after_step(step, 5, secs)
+    assert control.measured[True][0] == pytest.approx(5 / 0.008)
+
+
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain, run_ahead):
     # run_ahead (what CUDA runs): ejected rounds queue the next plain step before reading the
