@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,8 @@ import pandas as pd
 
 PAGE = 256  # tokens per KV page
 RUN_COLUMNS = ("arm", "context", "rep", "decode_tok_s")
-STEP_COLUMNS = ("step_s", "draft_s", "streamed_pages", "verify_width", "pages_per_layer", "drafted", "accepted")
+STEP_COLUMNS = ("step_s", "draft_s", "streamed_pages", "verify_width", "pages_per_layer", "drafted", "accepted",
+                "draft_active")
 AUTO_GOAL = 0.95  # auto should reach this fraction of the best fixed threshold's tok/s
 PREDICTION_GOAL = 0.10  # predicted crossover within this relative error of the measured one
 
@@ -72,20 +73,22 @@ def decode_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 def eject_threshold(runs: pd.DataFrame, eject: str) -> float:
     """Context (tokens) up to which the eject arm still runs the draft, i.e. equals keep: N pages for
-    keep_pages=N, else the onset (median capacity_with_draft); -inf when runs.csv does not say."""
+    keep_pages=N, else the onset (the largest capacity_with_draft: the capacity falls slightly with
+    context as the decode slab grows); -inf when runs.csv does not say."""
     if eject.startswith("keep_pages="):
         return float(eject.split("=", 1)[1]) * PAGE
     if "capacity_with_draft" in runs and runs["capacity_with_draft"].notna().any():
-        return float(runs["capacity_with_draft"].median()) * PAGE
+        return float(runs["capacity_with_draft"].max()) * PAGE
     return -math.inf
 
 
 def _crossing(ctx: np.ndarray, d: np.ndarray, above: float):
     """(i, context) of the first change of d = keep - eject from > 0 to <= 0, bracketed by ctx[i],
-    ctx[i+1] with ctx[i+1] > above, linearly interpolated; or None. Brackets at or below the eject
-    threshold are skipped: both arms run the same draft there, so their sign changes are noise."""
+    ctx[i+1] with ctx[i] > above, linearly interpolated; or None. A bracket that starts at or below
+    the eject threshold is skipped: both arms run the same draft there, so d > 0 is noise (on the H200
+    it made a "crossover" of 4713 tokens out of a 4% difference at 4096 and ejecting winning at 12288)."""
     for i in range(len(d) - 1):
-        if ctx[i + 1] > above and d[i] > 0 >= d[i + 1]:
+        if ctx[i] > above and d[i] > 0 >= d[i + 1]:
             return i, ctx[i] + d[i] / (d[i] - d[i + 1]) * (ctx[i + 1] - ctx[i])
     return None
 
@@ -105,7 +108,8 @@ def _locate(keep: str, eject: str, ctx: np.ndarray, d: np.ndarray, above: float)
     elif (d[over] > 0).all():
         winner, why = keep, f"{keep} is faster at every context above the threshold ({lo}..{hi} tokens)"
     elif (d[over] <= 0).all():
-        winner, why = eject, f"{eject} is as fast or faster at every context above the threshold ({lo}..{hi} tokens)"
+        winner, why = eject, (f"{eject} is as fast or faster at every context above the threshold ({lo}..{hi} "
+                              f"tokens); {keep} can win only between the threshold ({above:.0f}) and {lo}")
     else:
         winner, why = None, f"{keep} - {eject} only turns from negative to positive in {lo}..{hi} tokens"
     return dict(context_tokens=None, pages_per_layer=None, winner=winner, reason=why)
@@ -173,28 +177,33 @@ def best_threshold(runs: pd.DataFrame) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Target verify seconds = a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer; the draft
-    costs draft_s_per_token per drafted token; each drafted token is accepted with probability
-    ``acceptance`` once the ones before it were (rms_residual_s: over design-point medians)."""
+    """Target verify seconds = a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer. A round
+    with the draft active drafts ``drafted_per_round`` tokens on average (rounds where it proposes
+    nothing included) in ``draft_s_per_round`` seconds and keeps ``tokens_per_round``: 1 + the
+    expected accepted drafts at per-token ``acceptance`` over the measured drafted counts. An eject
+    costs ``eject_s`` once: the arena's re-layout (``eject_seconds``) and the extra time of the step
+    after it (``eject_cost``: graphs re-captured). rms_residual_s: over design-point medians."""
     a: float
     b: float
     c: float
     d: float
-    draft_s_per_token: float
     acceptance: float
+    drafted_per_round: float
+    draft_s_per_round: float
+    tokens_per_round: float
     n_steps: int
     rms_residual_s: float
+    eject_s: float = 0.0
 
     def target_s(self, pages, streamed_pages, width):
         return self.a + self.b * streamed_pages + self.c * (width - 1) + self.d * pages
 
-    def tok_s(self, pages, streamed_pages, draft: bool, n_draft: int = 0):
-        """Predicted decode tokens/s (numpy arrays broadcast)."""
-        if not draft or n_draft == 0:
+    def tok_s(self, pages, streamed_pages, draft: bool):
+        """Predicted decode tokens/s with or without the draft (numpy arrays broadcast)."""
+        if not draft:
             return 1.0 / self.target_s(pages, streamed_pages, 1)
-        al = self.acceptance
-        kept = n_draft + 1 if al >= 1 else (1 - al ** (n_draft + 1)) / (1 - al)  # tokens per verify round
-        return kept / (self.target_s(pages, streamed_pages, n_draft + 1) + n_draft * self.draft_s_per_token)
+        return self.tokens_per_round / (self.target_s(pages, streamed_pages, 1 + self.drafted_per_round)
+                                        + self.draft_s_per_round)
 
 
 def acceptance_per_token(drafting: pd.DataFrame) -> float:
@@ -207,14 +216,41 @@ def acceptance_per_token(drafting: pd.DataFrame) -> float:
     return float(acc.sum() / tries.sum()) if tries.sum() else math.nan
 
 
+def eject_seconds(runs: pd.DataFrame) -> float:
+    """Median duration of the ejects themselves (the arena's re-layout; runs.csv ``transitions``):
+    they run between two steps, so no step's step_s holds them. 0 when no run ejected."""
+    if "transitions" not in runs:
+        return 0.0
+    secs = [t["seconds"] for cell in runs["transitions"].dropna() for t in json.loads(cell) if t["action"] == "eject"]
+    return float(np.median(secs)) if secs else 0.0
+
+
+def eject_cost(steps: pd.DataFrame) -> float:
+    """Median over runs of the time the first step after an eject takes beyond the median plain
+    step of its run (graphs re-captured for the new layout; 0 when no run ejected)."""
+    if not {"run_id", "draft_active"} <= set(steps.columns):
+        return 0.0
+    costs = []
+    for _, run in steps.groupby("run_id", sort=False):
+        active = run["draft_active"].astype(bool).to_numpy()
+        flips = np.flatnonzero(active[:-1] & ~active[1:]) + 1  # the first step without the draft
+        plain = run.loc[~run["draft_active"].astype(bool) & (run["verify_width"] == 1), "step_s"]
+        if len(flips) and len(plain) > 1:
+            costs += [run["step_s"].iloc[i] - plain.median() for i in flips]
+    return float(np.median(costs)) if costs else 0.0
+
+
 def fit_cost_model(steps: pd.DataFrame) -> CostModel:
-    """Least-squares fit of the target verify time (step_s - draft_s) on the median of each design
+    """Least-squares fit of the target verify time (step_s - draft_s, the draft active) on the median of each design
     point (verify width, streamed pages, pages per layer), weighted by sqrt(steps): a step that also
     ejected the draft or re-captured graphs (tens of ms) does not drag a line fitted to ~2 ms steps.
-    Draft time per drafted token pooled; acceptance per token (``acceptance_per_token``)."""
+    Round statistics pool every round with the draft active; acceptance per token
+    (``acceptance_per_token``)."""
     require(steps, STEP_COLUMNS, "steps.csv")
     s = steps[list(STEP_COLUMNS)].astype(float).dropna()
-    s = s.assign(target_s=s["step_s"] - s["draft_s"])
+    # a round with the draft ejected runs the host a step ahead: its draft_s (the chain's bookkeeping)
+    # overlaps the device's step instead of preceding it, so its whole wall time is the target's
+    s = s.assign(target_s=s["step_s"] - s["draft_s"] * s["draft_active"].astype(bool))
     g = s.groupby(["streamed_pages", "verify_width", "pages_per_layer"])["target_s"].agg(["median", "size"])
     g = g.reset_index()
     X = np.column_stack([np.ones(len(g)), g["streamed_pages"], g["verify_width"] - 1, g["pages_per_layer"]])
@@ -225,34 +261,61 @@ def fit_cost_model(steps: pd.DataFrame) -> CostModel:
         raise ValueError(f"steps.csv ({len(s)} complete steps) cannot separate the cost terms: "
                          f"{'constant ' + str(flat) if flat else 'collinear streamed_pages / pages_per_layer'}; "
                          f"the study needs contexts below and above the capacities")
-    drafting = s[s["drafted"] > 0]
-    n = drafting["drafted"].sum()
+    rounds = s[steps.loc[s.index, "draft_active"].astype(bool)]  # every round with the draft pinned
+    alpha = acceptance_per_token(rounds[rounds["drafted"] > 0])
+    n = rounds["drafted"].to_numpy()
+    accepted = n if alpha >= 1 else alpha * (1 - alpha ** n) / (1 - alpha)  # expected, per round
     resid = X @ coef - g["median"].to_numpy()
-    return CostModel(*map(float, coef), draft_s_per_token=drafting["draft_s"].sum() / n if n else math.nan,
-                     acceptance=acceptance_per_token(drafting), n_steps=len(s),
-                     rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))))
+    return CostModel(*map(float, coef), acceptance=alpha, drafted_per_round=float(n.mean()) if len(n) else math.nan,
+                     draft_s_per_round=float(rounds["draft_s"].mean()) if len(n) else math.nan,
+                     tokens_per_round=1 + float(np.mean(accepted)) if len(n) else math.nan, n_steps=len(s),
+                     rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
+                     eject_s=eject_cost(steps))
 
 
-def predicted_crossover(model: CostModel, capacity_with: float, capacity_without: float, n_draft: int,
-                        contexts, eject_pages: float | None = None) -> tuple[pd.DataFrame, dict]:
+def capacity_curve(runs: pd.DataFrame, column: str):
+    """Pages per layer that fit, as a function of context (tokens): the median per measured context,
+    linear in between and flat outside (the decode slab, so the capacity, changes with context).
+    A run reports at most the pages its context needs (prompt + new tokens): such capped values say
+    only "everything fits" and are left out; when all are capped nothing streams (infinite)."""
+    r = runs.dropna(subset=[column])
+    if r.empty:
+        raise ValueError(f"runs.csv has no {column} values")
+    need = -(-(r["context"] + r.get("new_tokens", 0)) // PAGE)
+    per = r[r[column] < need].groupby("context")[column].median()
+    if per.empty:
+        return lambda ctx: np.full_like(np.asarray(ctx, float), np.inf)
+    return lambda ctx: np.interp(ctx, per.index.to_numpy(float), per.to_numpy(float))
+
+
+def predicted_crossover(model: CostModel, capacity_with, capacity_without, contexts,
+                        eject_pages: float | None = None, new_tokens: int | None = None
+                        ) -> tuple[pd.DataFrame, dict]:
     """Keep (draft always) vs eject (draft until pages > eject_pages, default capacity_with, then plain
-    decoding with capacity_without resident pages) predicted tok/s per context, and the crossover."""
-    eject_pages = capacity_with if eject_pages is None else eject_pages
-    if math.isnan(model.acceptance) or n_draft < 1:
-        raise ValueError(f"no drafted steps to predict from (acceptance {model.acceptance}, n_draft {n_draft})")
+    decoding with capacity_without resident pages) predicted tok/s per context, and the crossover.
+    Capacities are pages per layer, constant or functions of context (``capacity_curve``). With
+    ``new_tokens`` the eject arm pays ``model.eject_s`` once per decode of that many tokens, as a
+    measured arm does; without it, steady state (a decode long enough to amortise the eject)."""
+    cw, cwo = (c if callable(c) else (lambda ctx, c=c: np.full_like(np.asarray(ctx, float), c))
+               for c in (capacity_with, capacity_without))
+    if math.isnan(model.acceptance):
+        raise ValueError("no drafted steps to predict from (the draft proposed nothing in any round)")
 
     def curves(c):
-        pages = np.asarray(c, float) / PAGE  # continuous pages: the crossover is a fractional page count
-        keep = model.tok_s(pages, np.maximum(0, pages - capacity_with), True, n_draft)
-        plain = model.tok_s(pages, np.maximum(0, pages - capacity_without), False)
-        return keep, np.where(pages > eject_pages, plain, keep)
+        c = np.asarray(c, float)
+        pages = c / PAGE  # continuous pages: the crossover is a fractional page count
+        keep = model.tok_s(pages, np.maximum(0, pages - cw(c)), True)
+        plain = model.tok_s(pages, np.maximum(0, pages - cwo(c)), False)
+        if new_tokens:
+            plain = new_tokens / (new_tokens / plain + model.eject_s)
+        return keep, np.where(pages > (cw(c) if eject_pages is None else eject_pages), plain, keep)
 
     ctx = np.unique(np.asarray(contexts, float))
     keep, eject = curves(ctx)
     table = pd.DataFrame(dict(context=ctx, pages_per_layer=ctx / PAGE, keep_tok_s=keep, eject_tok_s=eject))
-    info = dict(n_draft=n_draft, capacity_with_draft=capacity_with, capacity_without_draft=capacity_without,
-                eject_pages=eject_pages)
-    found = _locate("keep", "eject", ctx, keep - eject, eject_pages * PAGE)
+    info = dict(eject_pages=eject_pages, new_tokens=new_tokens)
+    threshold = float(np.min(cw(ctx))) if eject_pages is None else eject_pages
+    found = _locate("keep", "eject", ctx, keep - eject, threshold * PAGE)
     if found["context_tokens"] is None:
         return table, info | found
     lo, hi = found["bracket_tokens"]
@@ -276,15 +339,18 @@ def analyze(runs: pd.DataFrame, steps: pd.DataFrame | None, keep: str = "keep", 
     try:
         require(runs, ("capacity_with_draft", "capacity_without_draft"), "runs.csv")
         model = fit_cost_model(steps)
-        widths = steps.loc[steps["drafted"] > 0, "verify_width"]
-        n_draft = int(round(widths.median() - 1)) if len(widths) else 0
+        model = replace(model, eject_s=model.eject_s + eject_seconds(runs))  # the whole one-off cost
         top = 4 * int(runs["context"].max())  # past the measured range too: where keep still wins there
-        _, predicted = predicted_crossover(model, float(runs["capacity_with_draft"].median()),
-                                           float(runs["capacity_without_draft"].median()), n_draft,
-                                           np.arange(PAGE, top + PAGE, PAGE), eject_threshold(runs, eject) / PAGE)
-        x = predicted["context_tokens"]
-        predicted["extrapolated"] = x is not None and x > runs["context"].max()
-        result |= dict(predicted=predicted, cost_model=asdict(model))
+        grid = np.arange(PAGE, top + PAGE, PAGE)
+        caps = capacity_curve(runs, "capacity_with_draft"), capacity_curve(runs, "capacity_without_draft")
+        eject_pages = float(eject.split("=", 1)[1]) if eject.startswith("keep_pages=") else None
+        n_new = int(runs["new_tokens"].median()) if "new_tokens" in runs else None
+        # what the arms measured (a decode of n_new tokens pays the eject once), and the long-decode limit
+        _, predicted = predicted_crossover(model, *caps, grid, eject_pages, n_new)
+        _, steady = predicted_crossover(model, *caps, grid, eject_pages)
+        for p in (predicted, steady):
+            p["extrapolated"] = p["context_tokens"] is not None and p["context_tokens"] > runs["context"].max()
+        result |= dict(predicted=predicted, predicted_steady=steady, cost_model=asdict(model))
     except ValueError as e:
         result["predicted"] = dict(context_tokens=None, reason=str(e))
         return result

@@ -10,21 +10,30 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.crossover import (PAGE, CostModel, acceptance_per_token, analyze, best_threshold, crossover,
-                                   decode_table, fit_cost_model, main, predicted_crossover)
+from experiments.crossover import (PAGE, CostModel, acceptance_per_token, analyze, best_threshold, capacity_curve,
+                                   crossover, decode_table, eject_cost, fit_cost_model, main, predicted_crossover)
 from experiments.plot_draft_thresholds import plot, title
 
 CAP_WITH, CAP_WITHOUT = 10, 40  # pages/layer that fit with / without the draft
 PAGES = [4, 8, 12, 18, 26, 32]  # 18 and 26 bracket the crossover at 20, asymmetrically
-TRUE = CostModel(a=0.020, b=0.004, c=0.001, d=0.0001, draft_s_per_token=0.002, acceptance=0.75, n_steps=0,
-                 rms_residual_s=0.0)
-N_DRAFT = 4
+DRAFT_S, ALPHA = 0.002, 0.75  # the draft's seconds per drafted token; per-token acceptance
+DRAFTED = (4, 4, 8)  # the drafted tokens of the rounds at each context (make_steps)
+
+
+def _accepted(n: int) -> float:  # expected accepted drafts of a round of n at ALPHA
+    return sum(ALPHA ** i for i in range(1, n + 1))
+
+
+TRUE = CostModel(a=0.020, b=0.004, c=0.001, d=0.0001, acceptance=ALPHA, drafted_per_round=16 / 3,
+                 draft_s_per_round=DRAFT_S * 16 / 3, tokens_per_round=1 + sum(map(_accepted, DRAFTED)) / 3,
+                 n_steps=0, rms_residual_s=0.0)
 
 
 def tok_s(arm: str, p: float, keep_slope: float = 2.0) -> float:
@@ -51,14 +60,14 @@ def make_runs(arms=("none", "keep", "onset", "keep_pages=20", "auto"), reps=3, k
 
 
 def make_steps(model: CostModel = TRUE) -> pd.DataFrame:
-    """Noiseless steps: with the draft at widths 5 (mostly: the study's draft length) and 9, each round
-    accepting 3 tokens (3 successes and one rejection: per-token acceptance exactly 0.75 =
-    model.acceptance), and without it, over contexts on both sides of the capacities."""
+    """Noiseless steps: with the draft, rounds of 4, 4 and 8 drafts (widths 5 and 9), each accepting
+    3 tokens (3 successes and one rejection: per-token acceptance exactly 0.75), and without it, over
+    contexts on both sides of the capacities."""
     rows = []
     for p in range(1, 61, 3):
-        for drafted, cap in ((4, CAP_WITH), (4, CAP_WITH), (8, CAP_WITH), (0, CAP_WITHOUT)):
+        for drafted, cap in [(n, CAP_WITH) for n in DRAFTED] + [(0, CAP_WITHOUT)]:
             streamed = max(0, p - cap)
-            draft_s = drafted * model.draft_s_per_token
+            draft_s = drafted * DRAFT_S
             rows.append(dict(run_id=f"r{drafted}", step=p, context=p * PAGE, pages_per_layer=p,
                              resident_pages=p - streamed, streamed_pages=streamed, rounds=1, h2d_bytes=0,
                              d2h_bytes=0, new_tokens=1, verify_width=1 + drafted, drafted=drafted,
@@ -67,10 +76,11 @@ def make_steps(model: CostModel = TRUE) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def analytic_crossover_pages(m: CostModel, n: int) -> float:
-    """keep = T / (a + b(p - cw) + c n + d p + n ds), eject = 1 / (a + d p) for cw < p <= cw': equal at p."""
-    T = (1 - m.acceptance ** (n + 1)) / (1 - m.acceptance)
-    p = (m.a * T - m.a + m.b * CAP_WITH - m.c * n - n * m.draft_s_per_token) / (m.b + m.d - m.d * T)
+def analytic_crossover_pages(m: CostModel) -> float:
+    """keep = T / (a + b(p - cw) + c n + d p + D), eject = 1 / (a + d p) for cw < p <= cw': equal at p
+    (T tokens, n drafted and D draft seconds per round)."""
+    T, n, D = m.tokens_per_round, m.drafted_per_round, m.draft_s_per_round
+    p = (m.a * T - m.a + m.b * CAP_WITH - m.c * n - D) / (m.b + m.d - m.d * T)
     assert CAP_WITH < p <= CAP_WITHOUT  # the closed form holds only in this window
     return p
 
@@ -148,12 +158,13 @@ def test_missing_arms_and_columns_are_named():
 def test_cost_model_recovers_known_coefficients():
     m = fit_cost_model(make_steps())
     # noiseless, well-conditioned least squares: only float64 rounding separates fit and truth
-    for k in ("a", "b", "c", "d", "draft_s_per_token", "acceptance"):
+    for k in ("a", "b", "c", "d", "acceptance", "drafted_per_round", "draft_s_per_round", "tokens_per_round"):
         assert getattr(m, k) == pytest.approx(getattr(TRUE, k), rel=1e-9, abs=1e-12), k
     assert m.rms_residual_s < 1e-12
+    assert m.eject_s == 0.0  # no run of make_steps ejects
     assert m.tok_s(5, 0, False) == pytest.approx(1 / (0.020 + 0.0005))
-    kept = (1 - 0.75 ** 5) / 0.25
-    assert m.tok_s(5, 0, True, 4) == pytest.approx(kept / (0.020 + 0.004 + 0.0005 + 0.008))
+    # rounds of 4, 4 and 8 drafts: 16/3 drafted, 32/3 ms of drafting and 1 + 2.267 tokens per round
+    assert m.tok_s(5, 0, True) == pytest.approx(TRUE.tokens_per_round / (0.020 + 0.001 * 16 / 3 + 0.0005 + 0.032 / 3))
 
 
 def test_cost_model_ignores_transition_outliers():
@@ -181,11 +192,35 @@ def test_acceptance_is_per_token_not_the_accepted_fraction():
 
 def test_predicted_crossover_matches_analytic():
     m = fit_cost_model(make_steps())
-    table, p = predicted_crossover(m, CAP_WITH, CAP_WITHOUT, N_DRAFT, np.arange(PAGE, 80 * PAGE, PAGE))
+    table, p = predicted_crossover(m, CAP_WITH, CAP_WITHOUT, np.arange(PAGE, 80 * PAGE, PAGE))
     # bisection on the continuous model: 60 halvings of a one-page bracket, so float rounding only
-    assert p["pages_per_layer"] == pytest.approx(analytic_crossover_pages(TRUE, N_DRAFT), rel=1e-9)
+    assert p["pages_per_layer"] == pytest.approx(analytic_crossover_pages(TRUE), rel=1e-9)
     assert p["keep_wins_again_tokens"] is not None  # once both arms stream, keep amortises it over more tokens
     assert (table.keep_tok_s == table.eject_tok_s)[table.pages_per_layer <= CAP_WITH].all()
+
+
+def test_eject_cost_and_a_decode_that_pays_it():
+    steps = make_steps()
+    run = pd.DataFrame(dict(run_id="onset", step=range(8), step_s=[0.03, 0.03, 0.05, 0.01, 0.01, 0.012, 0.01, 0.01],
+                            draft_active=[True, True, False, False, False, False, False, False], verify_width=1))
+    # the first step without the draft takes 0.04 s more than the run's median plain step (0.01 s)
+    assert eject_cost(run) == pytest.approx(0.04)
+    m = replace(fit_cost_model(steps), eject_s=0.04)
+    ctx = np.arange(PAGE, 80 * PAGE, PAGE)
+    steady, _ = predicted_crossover(m, CAP_WITH, CAP_WITHOUT, ctx)
+    short, p = predicted_crossover(m, CAP_WITH, CAP_WITHOUT, ctx, new_tokens=64)
+    above = steady.pages_per_layer > CAP_WITH
+    assert np.allclose(short.eject_tok_s[above], 64 / (64 / steady.eject_tok_s[above] + 0.04))
+    assert p["pages_per_layer"] > analytic_crossover_pages(TRUE)  # paying the eject, ejecting wins later
+
+
+def test_capacity_curve_ignores_capped_capacities():
+    runs = make_runs(arms=("keep",), reps=1)
+    runs["capacity_with_draft"] = [5, 9, 11, 12, 12, 12]  # 5 and 9: all of those contexts' pages (capped)
+    cw = capacity_curve(runs, "capacity_with_draft")
+    assert cw(12 * PAGE) == 11 and cw(15 * PAGE) == pytest.approx(11.5) and cw(4 * PAGE) == 11  # flat outside
+    assert np.isinf(capacity_curve(runs.assign(capacity_without_draft=[5, 9, 13, 19, 27, 33]),
+                                   "capacity_without_draft")(50 * PAGE))  # every one capped: nothing streams
 
 
 def test_cli_writes_tables_and_json(tmp_path, capsys):
@@ -193,9 +228,9 @@ def test_cli_writes_tables_and_json(tmp_path, capsys):
     main([str(study)])
     out = json.loads((study / "crossover.json").read_text())
     assert out["measured"]["context_tokens"] == pytest.approx(20 * PAGE)
-    pred = analytic_crossover_pages(TRUE, N_DRAFT) * PAGE
-    assert out["predicted"]["n_draft"] == N_DRAFT  # the median draft length of the steps
-    assert out["predicted"]["context_tokens"] == pytest.approx(pred, rel=1e-9)
+    pred = analytic_crossover_pages(TRUE) * PAGE
+    assert out["predicted"]["context_tokens"] == pytest.approx(pred, rel=1e-9)  # no eject cost: steady state
+    assert out["predicted_steady"]["context_tokens"] == pytest.approx(pred, rel=1e-9)
     assert out["relative_error"] == pytest.approx(abs(pred - 20 * PAGE) / (20 * PAGE), rel=1e-9)
     assert out["cost_model"]["b"] == pytest.approx(TRUE.b)
     assert len(pd.read_csv(study / "decode_table.csv")) == 5 * len(PAGES)
