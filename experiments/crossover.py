@@ -240,14 +240,31 @@ def eject_cost(steps: pd.DataFrame) -> float:
     return float(np.median(costs)) if costs else 0.0
 
 
+def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:
+    """True for the steps of a run that follow its draft's eject or re-enable and still pay for it:
+    the first ``n`` (the draft's catch-up) and the first of each verify width (a new layout, so the
+    width's CUDA graph is captured then). One-off costs of tens of ms, which ``eject_s`` counts for
+    an eject, not steady rounds (a 79 ms capture of a lone 2-token round bent the fit)."""
+    if "run_id" not in steps:
+        return pd.Series(False, index=steps.index)
+    run, active = steps["run_id"], steps["draft_active"].astype(bool)
+    flip = (active != active.groupby(run).shift()) & run.duplicated()
+    stint = flip.astype(int).groupby(run).cumsum()  # transitions so far in the run
+    first = steps.groupby([run, stint]).cumcount()  # the step's index within its stint
+    new_width = ~pd.DataFrame({"r": run, "s": stint, "w": steps["verify_width"]}).duplicated()
+    return (stint > 0) & ((first < n) | new_width)
+
+
 def fit_cost_model(steps: pd.DataFrame) -> CostModel:
     """Least-squares fit of the target verify time (step_s - draft_s, the draft active) on the median of each design
-    point (verify width, streamed pages, pages per layer), weighted by sqrt(steps): a step that also
-    ejected the draft or re-captured graphs (tens of ms) does not drag a line fitted to ~2 ms steps.
+    point (verify width, streamed pages, pages per layer), weighted by sqrt(steps), leaving out the
+    steps just after a transition (``after_transition``), so one-off costs of tens of ms do not drag
+    a line fitted to ~2 ms steps.
     Round statistics pool every round with the draft active; acceptance per token
     (``acceptance_per_token``)."""
     require(steps, STEP_COLUMNS, "steps.csv")
     s = steps[list(STEP_COLUMNS)].astype(float).dropna()
+    s = s[~after_transition(steps).loc[s.index]]
     # a round with the draft ejected runs the host a step ahead: its draft_s (the chain's bookkeeping)
     # overlaps the device's step instead of preceding it, so its whole wall time is the target's
     s = s.assign(target_s=s["step_s"] - s["draft_s"] * s["draft_active"].astype(bool))

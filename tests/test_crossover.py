@@ -17,8 +17,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.crossover import (PAGE, CostModel, acceptance_per_token, analyze, best_threshold, capacity_curve,
-                                   crossover, decode_table, eject_cost, fit_cost_model, main, predicted_crossover)
+from experiments.crossover import (PAGE, CostModel, acceptance_per_token, after_transition, analyze, best_threshold,
+                                   capacity_curve, crossover, decode_table, eject_cost, fit_cost_model, main,
+                                   predicted_crossover)
 from experiments.plot_draft_thresholds import plot, title
 
 CAP_WITH, CAP_WITHOUT = 10, 40  # pages/layer that fit with / without the draft
@@ -212,6 +213,14 @@ def test_eject_cost_and_a_decode_that_pays_it():
     above = steady.pages_per_layer > CAP_WITH
     assert np.allclose(short.eject_tok_s[above], 64 / (64 / steady.eject_tok_s[above] + 0.04))
     assert p["pages_per_layer"] > analytic_crossover_pages(TRUE)  # paying the eject, ejecting wins later
+
+
+def test_steps_that_still_pay_for_a_transition_are_marked():
+    run = pd.DataFrame(dict(run_id="auto", verify_width=[5, 5, 1, 1, 1, 5, 5, 5, 2],
+                            draft_active=[True, True, False, False, False, True, True, True, True]))
+    # after the eject (step 2) and the re-enable (step 5): their first two steps, and the first step of
+    # each width in the new layout (step 8: the first 2-wide round captures its graph)
+    assert after_transition(run).tolist() == [False, False, True, True, False, True, True, False, True]
 
 
 def test_capacity_curve_ignores_capped_capacities():
