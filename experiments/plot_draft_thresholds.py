@@ -4,8 +4,8 @@
 
 Reads the study's ``runs.csv`` (and ``steps.csv`` for the predicted crossover) and writes
 ``draft_thresholds.png`` beside them: one line per arm (mean over reps, error bars = std), a dashed
-line at the streaming onset (median capacity_with_draft * 256 tokens), a dotted one at the measured
-crossover and a dash-dotted one at the cost model's prediction (see experiments/crossover.py).
+line at the streaming onset (``crossover.eject_threshold``), a dotted one at the measured crossover
+and a dash-dotted one at the cost model's prediction (see experiments/crossover.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from experiments.crossover import PAGE, analyze, arm_order, decode_table, read_study  # noqa: E402
+from experiments.crossover import PAGE, analyze, arm_order, decode_table, eject_threshold, read_study  # noqa: E402
 
 
 def _values(runs, column) -> str:
@@ -49,8 +49,8 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
     for arm in arm_order(table["arm"]):
         t = table[table["arm"] == arm]
         ax.errorbar(t["context"], t["mean"], yerr=t["std"].fillna(0), marker="o", ms=4, capsize=3, label=arm)
-    if "capacity_with_draft" in runs and runs["capacity_with_draft"].notna().any():
-        onset = float(runs["capacity_with_draft"].median()) * PAGE
+    onset = eject_threshold(runs, "onset")
+    if onset > 0:
         ax.axvline(onset, color="grey", ls="--", label=f"onset {onset:.0f} tokens")
     try:
         result = analyze(runs, steps, keep, eject, n_boot=1000, seed=0)
