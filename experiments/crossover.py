@@ -73,10 +73,12 @@ def decode_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 def eject_threshold(runs: pd.DataFrame, eject: str) -> float:
     """Context (tokens) up to which the eject arm still runs the draft, i.e. equals keep: N pages for
-    keep_pages=N, else the onset (the largest capacity_with_draft: the capacity falls slightly with
+    keep_pages=N, 0 for always, else the onset (the largest capacity_with_draft: the capacity falls slightly with
     context as the decode slab grows); -inf when runs.csv does not say."""
     if eject.startswith("keep_pages="):
         return float(eject.split("=", 1)[1]) * PAGE
+    if eject == "always":
+        return 0.0
     if "capacity_with_draft" in runs and runs["capacity_with_draft"].notna().any():
         return float(runs["capacity_with_draft"].max()) * PAGE
     return -math.inf
@@ -161,7 +163,7 @@ def best_threshold(runs: pd.DataFrame) -> pd.DataFrame:
     wide = decode_table(runs).pivot(index="context", columns="arm", values="mean")
     fixed = arm_order(a for a in wide.columns if is_fixed(a))
     if not fixed:
-        raise ValueError(f"no keep/eject arms found (keep, onset, keep_pages=N); arms present: "
+        raise ValueError(f"no keep/eject arms found (keep, onset, always, keep_pages=N); arms present: "
                          f"{arm_order(wide.columns)}")
     f = wide[fixed].dropna(how="all")
     out = pd.DataFrame({"context": f.index, "pages_per_layer": -(-f.index // PAGE)})
@@ -218,25 +220,37 @@ def acceptance_per_token(drafting: pd.DataFrame) -> float:
 
 def eject_seconds(runs: pd.DataFrame) -> float:
     """Median duration of the ejects themselves (the arena's re-layout; runs.csv ``transitions``):
-    they run between two steps, so no step's step_s holds them. 0 when no run ejected."""
-    if "transitions" not in runs:
-        return 0.0
-    secs = [t["seconds"] for cell in runs["transitions"].dropna() for t in json.loads(cell) if t["action"] == "eject"]
+    they run between two steps, so no step's step_s holds them. 0 when no run ejected; cells that
+    are not a JSON list of transitions are skipped."""
+    secs = []
+    for cell in runs.get("transitions", pd.Series(dtype=object)).dropna():
+        try:
+            rows = json.loads(cell) if isinstance(cell, str) else None
+        except ValueError:
+            continue
+        secs += [t["seconds"] for t in rows or [] if isinstance(t, dict) and t.get("action") == "eject"
+                 and isinstance(t.get("seconds"), (int, float))]
     return float(np.median(secs)) if secs else 0.0
 
 
 def eject_cost(steps: pd.DataFrame) -> float:
-    """Median over runs of the time the first step after an eject takes beyond the median plain
-    step of its run (graphs re-captured for the new layout; 0 when no run ejected)."""
-    if not {"run_id", "draft_active"} <= set(steps.columns):
+    """Median over ejects of the extra time the steps after one take while they still pay for it
+    (``after_transition``: graphs re-captured for the new layout), against the median of the run's
+    other plain steps; 0 when nothing ejected or the steps do not say."""
+    if not {"run_id", "draft_active", "verify_width"} <= set(steps.columns):
         return 0.0
+    steps = steps.assign(_paying=after_transition(steps))
     costs = []
     for _, run in steps.groupby("run_id", sort=False):
         active = run["draft_active"].astype(bool).to_numpy()
-        flips = np.flatnonzero(active[:-1] & ~active[1:]) + 1  # the first step without the draft
-        plain = run.loc[~run["draft_active"].astype(bool) & (run["verify_width"] == 1), "step_s"]
-        if len(flips) and len(plain) > 1:
-            costs += [run["step_s"].iloc[i] - plain.median() for i in flips]
+        plain = run.loc[~active & (run["verify_width"] == 1).to_numpy() & ~run["_paying"].to_numpy(), "step_s"]
+        if plain.empty:
+            continue
+        for i in np.flatnonzero(active[:-1] & ~active[1:]) + 1:  # the first step without the draft
+            j = i
+            while j < len(run) and run["_paying"].iloc[j] and not active[j]:
+                j += 1
+            costs.append(float((run["step_s"].iloc[i:j] - plain.median()).sum()))
     return float(np.median(costs)) if costs else 0.0
 
 
@@ -256,12 +270,12 @@ def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:
 
 
 def fit_cost_model(steps: pd.DataFrame) -> CostModel:
-    """Least-squares fit of the target verify time (step_s - draft_s, the draft active) on the median of each design
-    point (verify width, streamed pages, pages per layer), weighted by sqrt(steps), leaving out the
-    steps just after a transition (``after_transition``), so one-off costs of tens of ms do not drag
-    a line fitted to ~2 ms steps.
-    Round statistics pool every round with the draft active; acceptance per token
-    (``acceptance_per_token``)."""
+    """Least-squares fit of the target verify time (step_s - draft_s, the draft active) on the median
+    of each design point (verify width, streamed pages, pages per layer), each point's squared error
+    counted once per step in it, leaving out the steps that still pay a transition
+    (``after_transition``: ``eject_s`` counts them), so one-off costs of tens of ms do not drag a
+    line fitted to ~2 ms steps. Round statistics: the other rounds with the draft active, as
+    measured; acceptance per token (``acceptance_per_token``)."""
     require(steps, STEP_COLUMNS, "steps.csv")
     s = steps[list(STEP_COLUMNS)].astype(float).dropna()
     s = s[~after_transition(steps).loc[s.index]]
@@ -278,14 +292,15 @@ def fit_cost_model(steps: pd.DataFrame) -> CostModel:
         raise ValueError(f"steps.csv ({len(s)} complete steps) cannot separate the cost terms: "
                          f"{'constant ' + str(flat) if flat else 'collinear streamed_pages / pages_per_layer'}; "
                          f"the study needs contexts below and above the capacities")
-    rounds = s[steps.loc[s.index, "draft_active"].astype(bool)]  # every round with the draft pinned
-    alpha = acceptance_per_token(rounds[rounds["drafted"] > 0])
-    n = rounds["drafted"].to_numpy()
-    accepted = n if alpha >= 1 else alpha * (1 - alpha ** n) / (1 - alpha)  # expected, per round
+    rounds = s[s["draft_active"].astype(bool)]  # the steady rounds with the draft pinned
+    if not (rounds["drafted"] > 0).any():
+        raise ValueError(f"steps.csv ({len(s)} complete steps) has no round that drafted a token: "
+                         f"nothing to predict keeping the draft from")
     resid = X @ coef - g["median"].to_numpy()
-    return CostModel(*map(float, coef), acceptance=alpha, drafted_per_round=float(n.mean()) if len(n) else math.nan,
-                     draft_s_per_round=float(rounds["draft_s"].mean()) if len(n) else math.nan,
-                     tokens_per_round=1 + float(np.mean(accepted)) if len(n) else math.nan, n_steps=len(s),
+    return CostModel(*map(float, coef), acceptance=acceptance_per_token(rounds[rounds["drafted"] > 0]),
+                     drafted_per_round=float(rounds["drafted"].mean()),
+                     draft_s_per_round=float(rounds["draft_s"].mean()),
+                     tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
                      rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
                      eject_s=eject_cost(steps))
 
@@ -360,8 +375,9 @@ def analyze(runs: pd.DataFrame, steps: pd.DataFrame | None, keep: str = "keep", 
         top = 4 * int(runs["context"].max())  # past the measured range too: where keep still wins there
         grid = np.arange(PAGE, top + PAGE, PAGE)
         caps = capacity_curve(runs, "capacity_with_draft"), capacity_curve(runs, "capacity_without_draft")
-        eject_pages = float(eject.split("=", 1)[1]) if eject.startswith("keep_pages=") else None
-        n_new = int(runs["new_tokens"].median()) if "new_tokens" in runs else None
+        eject_pages = None if eject == "onset" else eject_threshold(runs, eject) / PAGE
+        n_new = runs["new_tokens"].median() if "new_tokens" in runs else math.nan
+        n_new = None if math.isnan(n_new) else int(n_new)
         # what the arms measured (a decode of n_new tokens pays the eject once), and the long-decode limit
         _, predicted = predicted_crossover(model, *caps, grid, eject_pages, n_new)
         _, steady = predicted_crossover(model, *caps, grid, eject_pages)

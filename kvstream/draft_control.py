@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from statistics import median
 from dataclasses import asdict, dataclass
+from statistics import median
 
 from kernels.formats import PAGE_TOKENS
 from policies.eject import Action, Snapshot

@@ -18,28 +18,21 @@ import pandas as pd
 import pytest
 
 from experiments.crossover import (PAGE, CostModel, acceptance_per_token, after_transition, analyze, best_threshold,
-                                   capacity_curve, crossover, decode_table, eject_cost, fit_cost_model, main,
-                                   predicted_crossover)
+                                   capacity_curve, crossover, decode_table, eject_cost, eject_seconds, eject_threshold,
+                                   fit_cost_model, main, predicted_crossover)
 from experiments.plot_draft_thresholds import plot, title
 
 CAP_WITH, CAP_WITHOUT = 10, 40  # pages/layer that fit with / without the draft
 PAGES = [4, 8, 12, 18, 26, 32]  # 18 and 26 bracket the crossover at 20, asymmetrically
-DRAFT_S, ALPHA = 0.002, 0.75  # the draft's seconds per drafted token; per-token acceptance
-DRAFTED = (4, 4, 8)  # the drafted tokens of the rounds at each context (make_steps)
-
-
-def _accepted(n: int) -> float:  # expected accepted drafts of a round of n at ALPHA
-    return sum(ALPHA ** i for i in range(1, n + 1))
-
-
-TRUE = CostModel(a=0.020, b=0.004, c=0.001, d=0.0001, acceptance=ALPHA, drafted_per_round=16 / 3,
-                 draft_s_per_round=DRAFT_S * 16 / 3, tokens_per_round=1 + sum(map(_accepted, DRAFTED)) / 3,
-                 n_steps=0, rms_residual_s=0.0)
+DRAFT_S = 0.002  # the draft's seconds per drafted token
+DRAFTED = (4, 4, 8)  # the drafted tokens of the rounds at each context (make_steps); each accepts 3
+TRUE = CostModel(a=0.020, b=0.004, c=0.001, d=0.0001, acceptance=0.75, drafted_per_round=16 / 3,
+                 draft_s_per_round=DRAFT_S * 16 / 3, tokens_per_round=4.0, n_steps=0, rms_residual_s=0.0)
 
 
 def tok_s(arm: str, p: float, keep_slope: float = 2.0) -> float:
     keep = 100 - keep_slope * p
-    return {"none": 50.0, "keep": keep, "onset": keep if p <= CAP_WITH else 60.0,
+    return {"none": 50.0, "always": 60.0, "keep": keep, "onset": keep if p <= CAP_WITH else 60.0,
             "keep_pages=20": keep - 0.5 if p <= 20 else 61.0,
             "auto": 0.97 * max(keep, keep if p <= CAP_WITH else 60.0, keep - 0.5 if p <= 20 else 61.0)}[arm]
 
@@ -164,8 +157,8 @@ def test_cost_model_recovers_known_coefficients():
     assert m.rms_residual_s < 1e-12
     assert m.eject_s == 0.0  # no run of make_steps ejects
     assert m.tok_s(5, 0, False) == pytest.approx(1 / (0.020 + 0.0005))
-    # rounds of 4, 4 and 8 drafts: 16/3 drafted, 32/3 ms of drafting and 1 + 2.267 tokens per round
-    assert m.tok_s(5, 0, True) == pytest.approx(TRUE.tokens_per_round / (0.020 + 0.001 * 16 / 3 + 0.0005 + 0.032 / 3))
+    # rounds of 4, 4 and 8 drafts: 16/3 drafted, 32/3 ms of drafting and 1 + 3 tokens per round
+    assert m.tok_s(5, 0, True) == pytest.approx(4 / (0.020 + 0.001 * 16 / 3 + 0.0005 + 0.032 / 3))
 
 
 def test_cost_model_ignores_transition_outliers():
@@ -221,6 +214,29 @@ def test_steps_that_still_pay_for_a_transition_are_marked():
     # after the eject (step 2) and the re-enable (step 5): their first two steps, and the first step of
     # each width in the new layout (step 8: the first 2-wide round captures its graph)
     assert after_transition(run).tolist() == [False, False, True, True, False, True, True, False, True]
+
+
+def test_fit_leaves_out_steps_that_pay_a_transition():
+    steps = make_steps()
+    t = TRUE.target_s(10, 0, 1)
+    # a run that re-enables its draft: the first round after it (a lone 3-wide round: its own design
+    # point) re-captures graphs and catches up, 0.3 s; left in, it would bend c
+    run = pd.DataFrame(dict(run_id="x", step=[0, 1, 2], context=10 * PAGE, pages_per_layer=10, streamed_pages=0,
+                            verify_width=[1, 1, 3], drafted=[0, 0, 2], accepted=[0, 0, 2],
+                            draft_s=[0.0, 0.0, 2 * DRAFT_S], draft_active=[False, False, True],
+                            step_s=[t, t, TRUE.target_s(10, 0, 3) + 2 * DRAFT_S + 0.3]))
+    m = fit_cost_model(pd.concat([steps, run], ignore_index=True))
+    for k in ("a", "b", "c", "d", "drafted_per_round", "tokens_per_round"):
+        assert getattr(m, k) == pytest.approx(getattr(TRUE, k), rel=1e-9, abs=1e-12), k
+
+
+def test_always_ejects_at_zero_pages_and_odd_transition_cells_are_skipped():
+    runs = make_runs(arms=("keep", "always"), reps=1)
+    assert eject_threshold(runs, "always") == 0.0 and eject_threshold(runs, "onset") == CAP_WITH * PAGE
+    cells = ['[{"action": "eject", "seconds": 0.02}]', "", "null", '[{"action": "eject"}]', None, "[]",
+             '[{"action": "reenable", "seconds": 9}]']
+    assert eject_seconds(pd.DataFrame({"transitions": cells})) == 0.02
+    assert eject_seconds(pd.DataFrame({"x": [1]})) == 0.0
 
 
 def test_capacity_curve_ignores_capped_capacities():

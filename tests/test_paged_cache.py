@@ -8,7 +8,7 @@ import torch
 from kernels import reference
 from kernels.formats import PAGE_TOKENS, PageFormat
 from kvstream.arena import ALIGN, MIB, Arena, ArenaTooSmall
-from kvstream.cache import ContextOverflow
+from kvstream.cache import ContextOverflow, causal_attention
 from kvstream.cache_factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.generate import prefill
@@ -298,3 +298,18 @@ def test_pages_being_written_stay_resident_whatever_the_policy(model, tokens):
         assert torch.equal(host[:, 1], other[:, 1])  # page 1, completed by the crossing batch
     # page 1 streams in the last step: merged partials, fp32 sums in another order
     assert (logits[0] - logits[1]).abs().max() <= 1e-4 * logits[1].abs().max()
+
+
+@pytest.mark.parametrize("n, L", [(1, 40), (7, 300), (40, 40)])
+def test_causal_attention_equals_softmax_under_an_explicit_mask(n, L):
+    """The lower-right causal bias against plain fp64 arithmetic: query i (position L - n + i) sees
+    keys 0 .. L - n + i; GQA 6 query heads per KV head."""
+    g = torch.Generator().manual_seed(n * 1000 + L)
+    q, k, v = (torch.randn(m, h, 64, generator=g) for m, h in ((n, 12), (L, 2), (L, 2)))
+    kk, vv = (t.double().repeat_interleave(6, dim=1) for t in (k, v))
+    s = torch.einsum("qhd,khd->hqk", q.double(), kk) / 8.0
+    visible = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+    ref = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+    # fp32 SDPA vs an fp64 reference: fp32 rounding of 64-term dots and an L-term softmax sum
+    assert torch.allclose(causal_attention(q, k, v).double(), ref, atol=1e-5, rtol=1e-5)
+
