@@ -4,13 +4,15 @@
 
 Reads the study's ``runs.csv`` (and ``steps.csv`` for the predicted crossover) and writes
 ``draft_thresholds.png`` beside them: one line per arm (mean over reps, error bars = std), a dashed
-line at the streaming onset (``crossover.eject_threshold``), a dotted one at the measured crossover
-and a dash-dotted one at the cost model's prediction (see experiments/crossover.py).
+line at the streaming onset (``crossover.eject_threshold``), a dotted one at the measured crossover,
+a dash-dotted one at the cost model's prediction for the study's decode length and a grey one at
+its prediction for long decodes (see experiments/crossover.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -57,10 +59,12 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
     except ValueError as e:  # no keep/eject pair: the curves alone are still worth a figure
         print(f"no crossover lines: {e}")
         result = dict(measured={}, predicted={})
-    for side, ls in (("measured", ":"), ("predicted", "-.")):
-        x = (result[side] or {}).get("context_tokens")
-        if x is not None:
-            ax.axvline(x, color="black", ls=ls, label=f"{side} crossover {x:.0f} tokens ({x / PAGE:.1f} pages)")
+    lines = (("measured", ":", "black", "measured"), ("predicted", "-.", "black", "predicted"),
+             ("predicted_steady", "-.", "grey", "predicted, long decodes"))
+    for side, ls, color, name in lines:
+        x = (result.get(side) or {}).get("context_tokens")
+        if x is not None and x <= 1.5 * runs["context"].max():  # one far out would squash the curves
+            ax.axvline(x, color=color, ls=ls, label=f"{name} crossover {x:.0f} tokens ({x / PAGE:.1f} pages)")
     ax.set_xscale("log", base=2)
     top = ax.secondary_xaxis("top", functions=(lambda x: x / PAGE, lambda p: p * PAGE))
     top.set_xlabel("pages per layer")
@@ -68,7 +72,7 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
         ticks(FuncFormatter(lambda v, _: f"{v:g}"))  # 12, not 1.2 x 10^1
     ax.set_xlabel("context (prompt tokens)")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(title(runs), fontsize=10)
+    ax.set_title(textwrap.fill(title(runs), 110, break_long_words=False, replace_whitespace=False), fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
