@@ -1,4 +1,5 @@
-"""Crossover analysis and draft-threshold plot on synthetic studies with known answers (CPU, no model).
+"""Crossover analysis, step-cost model and draft-threshold plot on synthetic studies with known answers
+(CPU, no model).
 
 runs: keep = 100 - 2*pages tok/s; onset = keep up to the onset (10 pages), 60 flat above it; so
 keep - onset = 40 - 2*pages and the crossover is at 20 pages = 5120 tokens. steps: noiseless step
@@ -17,9 +18,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.crossover import (PAGE, CostModel, acceptance_per_token, after_transition, analyze, best_threshold,
-                                   capacity_curve, crossover, decode_table, eject_cost, eject_seconds, eject_threshold,
-                                   fit_cost_model, main, predicted_crossover)
+from experiments.cost_model import (CostModel, acceptance_per_token, after_transition, eject_cost, eject_seconds,
+                                    fit_cost_model)
+from experiments.crossover import (PAGE, analyze, best_threshold, capacity_curve, crossover, decode_table,
+                                   eject_threshold, main, predicted_crossover)
 from experiments.plot_draft_thresholds import plot, title
 
 CAP_WITH, CAP_WITHOUT = 10, 40  # pages/layer that fit with / without the draft

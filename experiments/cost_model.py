@@ -1,0 +1,150 @@
+"""The step-cost model of a draft-threshold study: what a target step, a drafting round and an
+eject cost, fitted to the per-step records (``steps.csv``) that experiments/draft_threshold.py
+writes. experiments/crossover.py predicts the keep/eject crossover from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+STEP_COLUMNS = ("step_s", "draft_s", "streamed_pages", "verify_width", "pages_per_layer", "drafted", "accepted",
+                "draft_active")
+
+
+def require(df: pd.DataFrame, columns, what: str) -> None:
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(f"{what} lacks column(s) {missing}; it has {list(df.columns)}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Target verify seconds = a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer. A round
+    with the draft active drafts ``drafted_per_round`` tokens on average (rounds where it proposes
+    nothing included) in ``draft_s_per_round`` seconds and keeps ``tokens_per_round``: 1 + the
+    expected accepted drafts at per-token ``acceptance`` over the measured drafted counts. An eject
+    costs ``eject_s`` once: the arena's re-layout (``eject_seconds``) and the extra time of the step
+    after it (``eject_cost``: graphs re-captured). rms_residual_s: over design-point medians."""
+    a: float
+    b: float
+    c: float
+    d: float
+    acceptance: float
+    drafted_per_round: float
+    draft_s_per_round: float
+    tokens_per_round: float
+    n_steps: int
+    rms_residual_s: float
+    eject_s: float = 0.0
+
+    def target_s(self, pages, streamed_pages, width):
+        return self.a + self.b * streamed_pages + self.c * (width - 1) + self.d * pages
+
+    def tok_s(self, pages, streamed_pages, draft: bool):
+        """Predicted decode tokens/s with or without the draft (numpy arrays broadcast)."""
+        if not draft:
+            return 1.0 / self.target_s(pages, streamed_pages, 1)
+        return self.tokens_per_round / (self.target_s(pages, streamed_pages, 1 + self.drafted_per_round)
+                                        + self.draft_s_per_round)
+
+
+def acceptance_per_token(drafting: pd.DataFrame) -> float:
+    """Maximum-likelihood per-token acceptance of drafting rounds: a round accepts its drafted
+    tokens up to the first rejection, so every accepted token is a success and a round that
+    stopped short adds one failure; accepted / drafted would also count the tokens after a
+    rejection, which were never tried (at alpha 0.7 and 8 drafted that is 0.28, not 0.7)."""
+    acc = drafting["accepted"]
+    tries = acc + (acc < drafting["drafted"])
+    return float(acc.sum() / tries.sum()) if tries.sum() else math.nan
+
+
+def eject_seconds(runs: pd.DataFrame) -> float:
+    """Median duration of the ejects themselves (the arena's re-layout; runs.csv ``transitions``):
+    they run between two steps, so no step's step_s holds them. 0 when no run ejected; cells that
+    are not a JSON list of transitions are skipped."""
+    secs = []
+    for cell in runs.get("transitions", pd.Series(dtype=object)).dropna():
+        try:
+            rows = json.loads(cell) if isinstance(cell, str) else None
+        except ValueError:
+            continue
+        secs += [t["seconds"] for t in rows or [] if isinstance(t, dict) and t.get("action") == "eject"
+                 and isinstance(t.get("seconds"), (int, float))]
+    return float(np.median(secs)) if secs else 0.0
+
+
+def eject_cost(steps: pd.DataFrame) -> float:
+    """Median over ejects of the extra time the steps after one take while they still pay for it
+    (``after_transition``: graphs re-captured for the new layout), against the median of the run's
+    other plain steps; 0 when nothing ejected or the steps do not say."""
+    if not {"run_id", "draft_active", "verify_width"} <= set(steps.columns):
+        return 0.0
+    steps = steps.assign(_paying=after_transition(steps))
+    costs = []
+    for _, run in steps.groupby("run_id", sort=False):
+        active = run["draft_active"].astype(bool).to_numpy()
+        plain = run.loc[~active & (run["verify_width"] == 1).to_numpy() & ~run["_paying"].to_numpy(), "step_s"]
+        if plain.empty:
+            continue
+        for i in np.flatnonzero(active[:-1] & ~active[1:]) + 1:  # the first step without the draft
+            j = i
+            while j < len(run) and run["_paying"].iloc[j] and not active[j]:
+                j += 1
+            costs.append(float((run["step_s"].iloc[i:j] - plain.median()).sum()))
+    return float(np.median(costs)) if costs else 0.0
+
+
+def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:
+    """True for the steps of a run that follow its draft's eject or re-enable and still pay for it:
+    the first ``n`` (the draft's catch-up) and the first of each verify width (a new layout, so the
+    width's CUDA graph is captured then). One-off costs of tens of ms, which ``eject_s`` counts for
+    an eject, not steady rounds (a 79 ms capture of a lone 2-token round bent the fit)."""
+    if "run_id" not in steps:
+        return pd.Series(False, index=steps.index)
+    run, active = steps["run_id"], steps["draft_active"].astype(bool)
+    flip = (active != active.groupby(run).shift()) & run.duplicated()
+    stint = flip.astype(int).groupby(run).cumsum()  # transitions so far in the run
+    first = steps.groupby([run, stint]).cumcount()  # the step's index within its stint
+    new_width = ~pd.DataFrame({"r": run, "s": stint, "w": steps["verify_width"]}).duplicated()
+    return (stint > 0) & ((first < n) | new_width)
+
+
+def fit_cost_model(steps: pd.DataFrame) -> CostModel:
+    """Least-squares fit of the target verify time (step_s - draft_s, the draft active) on the median
+    of each design point (verify width, streamed pages, pages per layer), each point's squared error
+    counted once per step in it, leaving out the steps that still pay a transition
+    (``after_transition``: ``eject_s`` counts them), so one-off costs of tens of ms do not drag a
+    line fitted to ~2 ms steps. Round statistics: the other rounds with the draft active, as
+    measured; acceptance per token (``acceptance_per_token``)."""
+    require(steps, STEP_COLUMNS, "steps.csv")
+    s = steps[list(STEP_COLUMNS)].astype(float).dropna()
+    s = s[~after_transition(steps).loc[s.index]]
+    # a round with the draft ejected runs the host a step ahead: its draft_s (the chain's bookkeeping)
+    # overlaps the device's step instead of preceding it, so its whole wall time is the target's
+    s = s.assign(target_s=s["step_s"] - s["draft_s"] * s["draft_active"].astype(bool))
+    g = s.groupby(["streamed_pages", "verify_width", "pages_per_layer"])["target_s"].agg(["median", "size"])
+    g = g.reset_index()
+    X = np.column_stack([np.ones(len(g)), g["streamed_pages"], g["verify_width"] - 1, g["pages_per_layer"]])
+    w = np.sqrt(g["size"].to_numpy(float))
+    coef, _, rank, _ = np.linalg.lstsq(X * w[:, None], g["median"].to_numpy() * w, rcond=None)
+    if rank < 4:
+        flat = [n for n in ("streamed_pages", "verify_width", "pages_per_layer") if s[n].nunique() < 2]
+        raise ValueError(f"steps.csv ({len(s)} complete steps) cannot separate the cost terms: "
+                         f"{'constant ' + str(flat) if flat else 'collinear streamed_pages / pages_per_layer'}; "
+                         f"the study needs contexts below and above the capacities")
+    rounds = s[s["draft_active"].astype(bool)]  # the steady rounds with the draft pinned
+    if not (rounds["drafted"] > 0).any():
+        raise ValueError(f"steps.csv ({len(s)} complete steps) has no round that drafted a token: "
+                         f"nothing to predict keeping the draft from")
+    resid = X @ coef - g["median"].to_numpy()
+    return CostModel(*map(float, coef), acceptance=acceptance_per_token(rounds[rounds["drafted"] > 0]),
+                     drafted_per_round=float(rounds["drafted"].mean()),
+                     draft_s_per_round=float(rounds["draft_s"].mean()),
+                     tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
+                     rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
+                     eject_s=eject_cost(steps))
