@@ -26,10 +26,11 @@ def require(df: pd.DataFrame, columns, what: str) -> None:
 class CostModel:
     """Target verify seconds = a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer. A round
     with the draft active drafts ``drafted_per_round`` tokens on average (rounds where it proposes
-    nothing included) in ``draft_s_per_round`` seconds and keeps ``tokens_per_round``: 1 + the
-    expected accepted drafts at per-token ``acceptance`` over the measured drafted counts. An eject
-    costs ``eject_s`` once: the arena's re-layout (``eject_seconds``) and the extra time of the step
-    after it (``eject_cost``: graphs re-captured). rms_residual_s: over design-point medians."""
+    nothing included) in ``draft_s_per_round`` seconds and keeps ``tokens_per_round`` (1 + the mean
+    accepted drafts), all as measured; ``acceptance`` (per token) is reported beside. An eject costs
+    ``eject_s`` once: the arena's re-layout (``eject_seconds``) and the extra time of the steps after
+    it that still pay for it (``eject_cost``: graphs re-captured). rms_residual_s: over design-point
+    medians."""
     a: float
     b: float
     c: float
@@ -114,13 +115,14 @@ def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:
     return (stint > 0) & ((first < n) | new_width)
 
 
-def fit_cost_model(steps: pd.DataFrame) -> CostModel:
+def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> CostModel:
     """Least-squares fit of the target verify time (step_s - draft_s, the draft active) on the median
     of each design point (verify width, streamed pages, pages per layer), each point's squared error
     counted once per step in it, leaving out the steps that still pay a transition
     (``after_transition``: ``eject_s`` counts them), so one-off costs of tens of ms do not drag a
     line fitted to ~2 ms steps. Round statistics: the other rounds with the draft active, as
-    measured; acceptance per token (``acceptance_per_token``)."""
+    measured; acceptance per token (``acceptance_per_token``). ``runs`` (runs.csv) adds the ejects'
+    own re-layout time to ``eject_s``."""
     require(steps, STEP_COLUMNS, "steps.csv")
     s = steps[list(STEP_COLUMNS)].astype(float).dropna()
     s = s[~after_transition(steps).loc[s.index]]
@@ -147,4 +149,4 @@ def fit_cost_model(steps: pd.DataFrame) -> CostModel:
                      draft_s_per_round=float(rounds["draft_s"].mean()),
                      tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
                      rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
-                     eject_s=eject_cost(steps))
+                     eject_s=eject_cost(steps) + (0.0 if runs is None else eject_seconds(runs)))

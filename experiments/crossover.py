@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from experiments.cost_model import CostModel, eject_seconds, fit_cost_model, require
+from experiments.cost_model import CostModel, fit_cost_model, require
 
 PAGE = 256  # tokens per KV page
 RUN_COLUMNS = ("arm", "context", "rep", "decode_tok_s")
@@ -236,8 +236,7 @@ def analyze(runs: pd.DataFrame, steps: pd.DataFrame | None, keep: str = "keep", 
         return result
     try:
         require(runs, ("capacity_with_draft", "capacity_without_draft"), "runs.csv")
-        model = fit_cost_model(steps)
-        model = replace(model, eject_s=model.eject_s + eject_seconds(runs))  # the whole one-off cost
+        model = fit_cost_model(steps, runs)
         top = 4 * int(runs["context"].max())  # past the measured range too: where keep still wins there
         grid = np.arange(PAGE, top + PAGE, PAGE)
         caps = capacity_curve(runs, "capacity_with_draft"), capacity_curve(runs, "capacity_without_draft")

@@ -201,6 +201,9 @@ def test_eject_cost_and_a_decode_that_pays_it():
                             draft_active=[True, True, False, False, False, False, False, False], verify_width=1))
     # the first step without the draft takes 0.04 s more than the run's median plain step (0.01 s)
     assert eject_cost(run) == pytest.approx(0.04)
+    # no run of make_steps ejects; runs.csv's transitions add the ejects' own re-layout time
+    assert fit_cost_model(steps, pd.DataFrame({"transitions": ['[{"action": "eject", "seconds": 0.02}]']})).eject_s \
+        == pytest.approx(0.02)
     m = replace(fit_cost_model(steps), eject_s=0.04)
     ctx = np.arange(PAGE, 80 * PAGE, PAGE)
     steady, _ = predicted_crossover(m, CAP_WITH, CAP_WITHOUT, ctx)
