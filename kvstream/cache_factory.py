@@ -35,7 +35,7 @@ def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, rin
     cache = _OneLayer(n_layers=1, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=max_tokens,
                       type_k=type_k, type_v=type_v, mode="stream" if stream else "resident",
                       arena=Arena(((ring_pages or 0) + resident) * pair + 4 * ALIGN, model.device),
-                      ring_pages=ring_pages or None if stream else 0, slabs={"prefill": 0, "decode": 0},
+                      ring_pages=ring_pages if stream else 0, slabs={"prefill": 0, "decode": 0},
                       verify_width=n)
     cache.length = max_tokens - n  # rows are never initialised: only the buffers are measured
     if n <= MAX_N_Q:

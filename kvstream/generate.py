@@ -113,16 +113,17 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     stopped = None
     readback = Readback(dev, (), torch.long)
 
-    last = [t1]  # when the previous step was queued
+    last = t1  # when the previous step was queued
 
     def step(tok: torch.Tensor) -> torch.Tensor:
+        nonlocal last
         nxt = model(tok.view(1), cache)[-1]
         now = time.perf_counter()
         # wall time since the previous step was queued: it includes the read-back of the token in
         # between, so with the host a step ahead it is, in steady state, the device's step time
         # (the host's own time per step would hide the device's); without run-ahead the whole step
-        records.append(StepRecord.of(len(records), cache, 1, now - last[0]))
-        last[0] = now
+        records.append(StepRecord.of(len(records), cache, 1, now - last))
+        last = now
         return nxt
 
     while len(out) < max_new_tokens:  # (0: no token at all)

@@ -159,8 +159,8 @@ class PagedCache(CacheBase):
         return super().compute()
 
     def close_slab(self) -> None:
-        """Give the slab's compute buffers back (a draft's eject: its arena region is going);
-        the next layout makes a new pool."""
+        """Give the slab's compute buffers back (the slab moves or shrinks at a re-layout); the
+        next layout makes a new pool."""
         if self.slab_pool is not None:
             self.slab_pool.close()
             self.slab_pool = None
