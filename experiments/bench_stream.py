@@ -108,6 +108,43 @@ def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> d
                 torch_reserved_mib=torch.cuda.memory_reserved() / MIB)
 
 
+MODEL = "Qwen2.5-Coder-1.5B shapes, random weights, bf16, q8_0/q4_0 pages"
+
+
+def plot(df: pd.DataFrame, png: Path) -> None:
+    """Decode tok/s per context and arena (left); streamed pages' copy rate against the pinned
+    ceiling per streamed pages per layer (right); the GPU, commit and command in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    arm = df["mode"] + df["fraction"].map(lambda f: "" if pd.isna(f) else f" {f:g} of the pages")
+    for name, g in df.assign(arm=arm).groupby("arm", sort=False):
+        ax.plot(g["context"], g["tok_s"], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tokens/s")
+    ax.legend(fontsize=8)
+    s = df[df["streamed_pages"] > 0]
+    bx.plot(s["streamed_pages"], 100 * s["frac_of_pinned_ceiling"], "o")
+    for _, r in s.iterrows():
+        bx.annotate(f"{r['context'] // 1024}K, x{r['overlap_ratio']:.2f}", (r["streamed_pages"], 100 * r["frac_of_pinned_ceiling"]),
+                    fontsize=7, xytext=(4, -10), textcoords="offset points")
+    bx.axhline(85, color="grey", ls="--", label="goal 85%")
+    bx.set_xscale("log", base=2)
+    bx.set_xlabel("streamed pages per layer (label: context, step / max(compute, transfer))")
+    bx.set_ylabel(f"copy rate, % of the {df['pinned_ceiling_gbps'].iloc[0]:.1f} GB/s pinned ceiling")
+    bx.legend(fontsize=8)
+    meta = df.iloc[0]
+    fig.suptitle(f"streaming decode on {meta['gpu']}: {MODEL}\n{meta['command']} (commit {meta['commit']})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
@@ -116,7 +153,11 @@ def main() -> None:
     ap.add_argument("--ring", default="auto", help="ring slots, or auto (one round per layer)")
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     ap.add_argument("--out", default="results/stream")
+    ap.add_argument("--plot", type=Path, help="only redraw the figure of this stream_decode.csv (no GPU)")
     args = ap.parse_args()
+    if args.plot:
+        plot(pd.read_csv(args.plot), args.plot.with_suffix(".png"))
+        return
     dev = torch.device("cuda")
     ceiling = pinned_ceiling(dev)
     torch.cuda.empty_cache()
@@ -165,7 +206,7 @@ def main() -> None:
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             del cache
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    df = pd.DataFrame(rows).assign(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    df = pd.DataFrame(rows).assign(model=MODEL, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                    commit=commit or "unknown", command=" ".join(["python"] + sys.argv))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,6 +216,7 @@ def main() -> None:
             "frac_of_pinned_ceiling", "overlap_ratio", "slab_mib", "slab_used_mib", "run_beyond_arena_mib", "torch_before_mib", "bound_mib", "device_beyond_mib"]
     print(df[cols].round(3).to_string(index=False))
     print(f"pinned ceiling {ceiling:.1f} GB/s")
+    plot(df, out / "stream_decode.png")
 
 
 if __name__ == "__main__":

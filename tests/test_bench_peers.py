@@ -41,3 +41,18 @@ def test_bench_step_splits_a_step_into_host_phases(tmp_path, capsys):
     assert (df["begin"] + df["commit"] < df["call"]).all()  # both happen inside the model call
     assert df["gpu"].isna().all()  # no captured step on CPU
     assert "host phases" in capsys.readouterr().out
+
+
+def test_bench_stream_figure_redraws_from_its_csv(tmp_path, monkeypatch):
+    """``bench_stream --plot CSV`` draws the committed run's figure without a GPU."""
+    from pathlib import Path
+
+    from experiments import bench_stream
+
+    csv = tmp_path / "stream_decode.csv"
+    df = pd.read_csv(Path(__file__).parents[1] / "results/stream/stream_decode.csv")
+    df.to_csv(csv, index=False)
+    monkeypatch.setattr(sys, "argv", ["bench_stream", "--plot", str(csv)])
+    bench_stream.main()
+    png = csv.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
