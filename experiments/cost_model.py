@@ -24,13 +24,15 @@ def require(df: pd.DataFrame, columns, what: str) -> None:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Target verify seconds = a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer. A round
-    with the draft active drafts ``drafted_per_round`` tokens on average (rounds where it proposes
-    nothing included) in ``draft_s_per_round`` seconds and keeps ``tokens_per_round`` (1 + the mean
-    accepted drafts), all as measured; ``acceptance`` (per token) is reported beside. An eject costs
-    ``eject_s`` once: the arena's re-layout (``eject_seconds``) and the extra time of the steps after
-    it that still pay for it (``eject_cost``: graphs re-captured). rms_residual_s: over design-point
-    medians."""
+    """Target verify seconds = max(a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer,
+    e + f*streamed_pages): a compute line, and a copy line for steps whose streamed pages take longer to
+    copy than the layers' compute they overlap (f: seconds per streamed page per layer, all layers;
+    e = f = 0 when no step was copy-bound). A round with the draft active drafts ``drafted_per_round``
+    tokens on average (rounds where it proposes nothing included) in ``draft_s_per_round`` seconds and
+    keeps ``tokens_per_round`` (1 + the mean accepted drafts), all as measured; ``acceptance`` (per
+    token) is reported beside. An eject costs ``eject_s`` once: the arena's re-layout
+    (``eject_seconds``) and the extra time of the steps after it that still pay for it
+    (``eject_cost``: graphs re-captured). rms_residual_s: over design-point medians."""
     a: float
     b: float
     c: float
@@ -42,9 +44,12 @@ class CostModel:
     n_steps: int
     rms_residual_s: float
     eject_s: float = 0.0
+    e: float = 0.0
+    f: float = 0.0
 
     def target_s(self, pages, streamed_pages, width):
-        return self.a + self.b * streamed_pages + self.c * (width - 1) + self.d * pages
+        compute = self.a + self.b * streamed_pages + self.c * (width - 1) + self.d * pages
+        return np.maximum(compute, self.e + self.f * np.asarray(streamed_pages, float))
 
     def tok_s(self, pages, streamed_pages, draft: bool):
         """Predicted decode tokens/s with or without the draft (numpy arrays broadcast)."""
@@ -115,6 +120,56 @@ def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:
     return (stint > 0) & ((first < n) | new_width)
 
 
+def _wlstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray):
+    coef, _, rank, _ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
+    return coef, rank
+
+
+def _fit_lines(g: pd.DataFrame, n_steps: int, s: pd.DataFrame):
+    """The compute line on every design point, or, where it explains the medians better (BIC, the
+    split point counted as a parameter), the compute line below a streamed-pages split and a copy line
+    above it, the two combined by max (streaming overlaps the compute until the copy takes longer:
+    on the H200 a verify step's time rose 13-29 us per streamed page up to ~44, then 61 us, the pinned
+    copy rate). Returns the compute coefficients, (e, f) and the model's medians."""
+    y, w = g["median"].to_numpy(), np.sqrt(g["size"].to_numpy(float))
+    streamed = g["streamed_pages"].to_numpy(float)
+    X = np.column_stack([np.ones(len(g)), streamed, g["verify_width"] - 1, g["pages_per_layer"]])
+    coef, rank = _wlstsq(X, y, w)
+    if rank < 4:
+        flat = [n for n in ("streamed_pages", "verify_width", "pages_per_layer") if s[n].nunique() < 2]
+        raise ValueError(f"steps.csv ({n_steps} complete steps) cannot separate the cost terms: "
+                         f"{'constant ' + str(flat) if flat else 'collinear streamed_pages / pages_per_layer'}; "
+                         f"the study needs contexts below and above the capacities")
+    n, wn = len(g), w ** 2 / np.mean(w ** 2)  # weights normalised to n points
+
+    def bic(pred, k):  # RSS floored at 0.1 us per point: noiseless data must not pick the bigger model
+        return n * math.log(max(float(np.sum(wn * (pred - y) ** 2)) / n, 1e-14)) + k * math.log(n)
+
+    def split(hi):  # compute line below, copy line above; None where the split cannot hold two lines
+        if len(np.unique(streamed[hi])) < 3:  # a line through two points would always fit them
+            return None
+        lo_coef, lo_rank = _wlstsq(X[~hi], y[~hi], w[~hi])
+        (e, f), _ = _wlstsq(X[hi][:, :2], y[hi], w[hi])
+        if lo_rank < 4 or f <= max(lo_coef[1], 0.0):  # a copy line is steeper than the compute line's
+            return None
+        return lo_coef, (float(e), float(f))
+
+    best = (bic(X @ coef, 4), coef, (0.0, 0.0), X @ coef)
+    for t in np.unique(streamed)[:-1]:
+        hi, fit = streamed > t, split(streamed > t)
+        for _ in range(20):  # reassign each point to the line that binds there (the switch moves with width)
+            if fit is None:
+                break
+            binds = fit[1][0] + fit[1][1] * streamed > X @ fit[0]
+            if (binds == hi).all():
+                break
+            hi, fit = binds, split(binds)
+        if fit is not None:
+            pred = np.maximum(X @ fit[0], fit[1][0] + fit[1][1] * streamed)
+            best = min(best, (bic(pred, 7), fit[0], fit[1], pred), key=lambda c: c[0])
+    return best[1], best[2], best[3]
+
+
 def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> CostModel:
     """Least-squares fit of the target verify time (step_s - draft_s, the draft active) on the median
     of each design point (verify width, streamed pages, pages per layer), each point's squared error
@@ -131,22 +186,16 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
     s = s.assign(target_s=s["step_s"] - s["draft_s"] * s["draft_active"].astype(bool))
     g = s.groupby(["streamed_pages", "verify_width", "pages_per_layer"])["target_s"].agg(["median", "size"])
     g = g.reset_index()
-    X = np.column_stack([np.ones(len(g)), g["streamed_pages"], g["verify_width"] - 1, g["pages_per_layer"]])
-    w = np.sqrt(g["size"].to_numpy(float))
-    coef, _, rank, _ = np.linalg.lstsq(X * w[:, None], g["median"].to_numpy() * w, rcond=None)
-    if rank < 4:
-        flat = [n for n in ("streamed_pages", "verify_width", "pages_per_layer") if s[n].nunique() < 2]
-        raise ValueError(f"steps.csv ({len(s)} complete steps) cannot separate the cost terms: "
-                         f"{'constant ' + str(flat) if flat else 'collinear streamed_pages / pages_per_layer'}; "
-                         f"the study needs contexts below and above the capacities")
+    coef, copy_line, pred = _fit_lines(g, len(s), s)
     rounds = s[s["draft_active"].astype(bool)]  # the steady rounds with the draft pinned
     if not (rounds["drafted"] > 0).any():
         raise ValueError(f"steps.csv ({len(s)} complete steps) has no round that drafted a token: "
                          f"nothing to predict keeping the draft from")
-    resid = X @ coef - g["median"].to_numpy()
+    resid = pred - g["median"].to_numpy()
     return CostModel(*map(float, coef), acceptance=acceptance_per_token(rounds[rounds["drafted"] > 0]),
                      drafted_per_round=float(rounds["drafted"].mean()),
                      draft_s_per_round=float(rounds["draft_s"].mean()),
                      tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
                      rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
-                     eject_s=eject_cost(steps) + (0.0 if runs is None else eject_seconds(runs)))
+                     eject_s=eject_cost(steps) + (0.0 if runs is None else eject_seconds(runs)),
+                     e=copy_line[0], f=copy_line[1])

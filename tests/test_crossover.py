@@ -163,6 +163,18 @@ def test_cost_model_recovers_known_coefficients():
     assert m.tok_s(5, 0, True) == pytest.approx(4 / (0.020 + 0.001 * 16 / 3 + 0.0005 + 0.032 / 3))
 
 
+
+def test_copy_bound_steps_get_their_own_line():
+    # streaming hides behind compute until the copy takes longer: truth = max(compute, 0.010 + 0.006 *
+    # streamed), which binds at a streamed count that grows with the verify width
+    truth = replace(TRUE, e=0.010, f=0.006)
+    m = fit_cost_model(make_steps(truth))
+    assert m.f > 0 and m.rms_residual_s < 1e-9  # noiseless: the max of two lines is exact
+    for k in ("a", "b", "c", "d", "e", "f"):
+        assert getattr(m, k) == pytest.approx(getattr(truth, k), rel=1e-6, abs=1e-12), k
+    plain = fit_cost_model(make_steps())  # linear truth: the copy line's 3 more parameters buy nothing
+    assert (plain.e, plain.f) == (0.0, 0.0)
+
 def test_cost_model_ignores_transition_outliers():
     steps = pd.concat([make_steps()] * 3, ignore_index=True)  # three steps per design point
     slow = steps.index[:len(steps) // 3][steps["drafted"][:len(steps) // 3] == 0][::7]
