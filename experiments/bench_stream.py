@@ -6,10 +6,14 @@ Random weights with the real Qwen2.5-Coder-1.5B shapes (timing does not depend o
 bf16, q8_0 K / q4_0 V pages, CUDA-graph decode steps (``--eager``: without), the ring
 automatic (one round per layer) unless ``--ring N``. For each context: resident
 mode (the whole context in the arena), then stream mode with arenas holding a fraction of the
-pages. Reported per run: decode tok/s, pages streamed per layer, host->device bytes per step
+pages. Reported per run: decode tok/s (steps back to back, the host preparing one while the
+device runs the one before, as a decode loop does; ``step_synced_ms``: each step alone, its host
+work included), pages streamed per layer, host->device bytes per step
 and their rate against the pinned-copy ceiling measured in the same run, the step time against
-max(compute-only = resident step, transfer-only = bytes / ceiling), and device memory in use
-during decode (as the driver counts it, less the CUDA context) against weights + arena.
+max(compute-only = resident step, transfer-only = the step's copies alone), and device memory in
+use during decode (as the driver counts it, less the CUDA context) against weights + arena. The
+transfer-only time replays the step's copies from a CUDA graph, as the graphed step issues them
+(``transfer_eager_ms``: issued from Python one by one, host-bound for small sets).
 """
 
 from __future__ import annotations
@@ -54,24 +58,38 @@ def pinned_ceiling(device) -> float:
     return src.numel() / statistics.median(times[1:]) / 1e9
 
 
+def _issue_copies(cache) -> None:
+    """The host -> ring copies of one decode step (same pages, same runs, same order)."""
+    for layer in range(cache.n_layers):
+        for _, _, pages in cache.rounds:
+            if pages:
+                a, n = pages[0], len(pages)
+                cache.kspace[:n].copy_(cache.host.k[layer, a:a + n], non_blocking=True)
+                cache.vspace[:n].copy_(cache.host.v[layer, a:a + n], non_blocking=True)
+
+
 @torch.inference_mode()  # the ring is an inference tensor
-def transfer_only_ms(cache, reps: int = 5) -> float:
-    """The host -> ring copies one decode step issues (same pages, same runs), alone on a
-    stream, timed with events: the transfer-only time of a step."""
+def transfer_only_ms(cache, graphed: bool = True, reps: int = 5) -> float:
+    """The host -> ring copies one decode step issues, alone on a stream, timed with events: the
+    transfer-only time of a step. ``graphed``: replayed from a CUDA graph, as the graphed decode
+    step issues them (copy nodes, no host in between); else issued one by one from Python, where
+    a small copy waits ~8 us for the host (56 copies of a few hundred KB: the host's rate, not
+    the copy engine's)."""
     if not any(r[2] for r in cache.rounds):
         return 0.0
     stream = torch.cuda.Stream()
+    graph = None
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            _issue_copies(cache)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(reps):
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
         with torch.cuda.stream(stream):
             start.record(stream)
-            for layer in range(cache.n_layers):
-                for _, _, pages in cache.rounds:
-                    if pages:
-                        a, n = pages[0], len(pages)
-                        cache.kspace[:n].copy_(cache.host.k[layer, a:a + n], non_blocking=True)
-                        cache.vspace[:n].copy_(cache.host.v[layer, a:a + n], non_blocking=True)
+            graph.replay() if graph is not None else _issue_copies(cache)
             end.record(stream)
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -94,17 +112,25 @@ def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> d
         step = GraphedModel(model) if graphs else model
         tok = torch.tensor([1], device=model.device)
         times = []
-        for i in range(steps + 3):
+        for i in range(steps + 3):  # each step alone: the host's work for it is in its time
             torch.cuda.synchronize()
             t = time.perf_counter()
             tok = step(tok, cache)[-1].argmax().reshape(1)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
+        # back to back, one sync: the host prepares a step while the device runs the one before,
+        # as in a decode loop (the next token stays on the device); the decode rate
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(steps):
+            tok = step(tok, cache)[-1].argmax().reshape(1)
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - t) / steps
     st = cache.stats
-    step = statistics.median(times[3:])
-    xfer = transfer_only_ms(cache)
-    return dict(step_ms=step * 1e3, tok_s=1 / step, streamed_pages=st.streamed_pages, resident_pages=st.resident_pages,
-                rounds=st.rounds, h2d_bytes=st.h2d_bytes, transfer_only_ms=xfer, device_used_mib=device_used_mib(),
+    return dict(step_ms=step_s * 1e3, tok_s=1 / step_s, step_synced_ms=statistics.median(times[3:]) * 1e3,
+                streamed_pages=st.streamed_pages, resident_pages=st.resident_pages,
+                rounds=st.rounds, h2d_bytes=st.h2d_bytes, transfer_only_ms=transfer_only_ms(cache, graphs),
+                transfer_eager_ms=transfer_only_ms(cache, False), device_used_mib=device_used_mib(),
                 torch_reserved_mib=torch.cuda.memory_reserved() / MIB)
 
 
@@ -166,7 +192,7 @@ def main() -> None:
     weights_mib = torch.cuda.memory_allocated() / MIB
     rows = []
     for ctx in args.contexts:
-        max_tokens = ctx + args.steps + 8
+        max_tokens = ctx + 2 * args.steps + 8
         arms = [("resident", None)] + [("stream", f) for f in args.fractions]
         base_step = None
         for mode, frac in arms:
@@ -211,8 +237,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "stream_decode.csv", index=False)
-    cols = ["context", "mode", "fraction", "arena_mib", "capacity", "streamed_pages", "rounds", "tok_s",
-            "transfer_only_ms", "copy_gbps",
+    cols = ["context", "mode", "fraction", "arena_mib", "capacity", "streamed_pages", "rounds", "tok_s", "step_synced_ms",
+            "transfer_only_ms", "transfer_eager_ms", "copy_gbps",
             "frac_of_pinned_ceiling", "overlap_ratio", "slab_mib", "slab_used_mib", "run_beyond_arena_mib", "torch_before_mib", "bound_mib", "device_beyond_mib"]
     print(df[cols].round(3).to_string(index=False))
     print(f"pinned ceiling {ceiling:.1f} GB/s")
