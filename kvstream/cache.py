@@ -57,6 +57,9 @@ class CacheBase:
     def start_step(self) -> None:
         """The device side of a forward pass begins (a streaming cache starts its copies)."""
 
+    def end_step(self) -> None:
+        """The device side of a forward pass ends (a streaming cache joins its last copies)."""
+
     def commit(self) -> None:
         self.length += self._n
         self._n = 0

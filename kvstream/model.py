@@ -111,7 +111,9 @@ class Qwen:
             delta = F.linear(ops.silu_mul(F.linear(h, L.w_gate_up)), L.w_down)
         if not all_logits:
             x, delta = x[-1:], delta[-1:]
-        return F.linear(ops.add_rms_norm(x, self.out_norm, eps, delta)[1], self.lm_head).float()
+        logits = F.linear(ops.add_rms_norm(x, self.out_norm, eps, delta)[1], self.lm_head).float()
+        cache.end_step()
+        return logits
 
     __call__ = forward
 

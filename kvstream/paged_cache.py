@@ -12,6 +12,9 @@ not change between modes. Per forward pass of n new tokens at positions [L, L + 
    round's while this one computes; ring halves alternate). One round: a single attention
    call over every page, exactly the resident-mode call. Several rounds: the kernel's
    partials per round, merged. Prefill chunks (n > 16) gather dequantized pages and use SDPA.
+   A decode step copies the *next* step's first round at its end, under its last layer and the
+   LM head (the plan rarely changes between steps; when it does, ``begin`` copies it again):
+   copy-bound steps then keep the copy engine busy from one step into the next.
 3. ``commit``: the written pages go back to the host store, which thus holds every committed
    row; ``truncate`` is a shorter length (stale rows are never read).
 """
@@ -73,6 +76,14 @@ class _Copier:
             return
         copy_rows(dst, src, torch.cuda.current_stream())
 
+    def reset(self) -> None:
+        """Both ring halves are free once the compute stream's work so far is done. Recorded
+        afresh by every step (and eagerly before copies issued outside one): an event last
+        recorded inside a graph capture cannot be waited on outside it."""
+        if self.cuda:
+            for e in self.free:
+                e.record(torch.cuda.current_stream())
+
     def wait(self, half: int | None = None) -> None:
         if self.cuda:
             s = torch.cuda.current_stream()
@@ -120,6 +131,8 @@ class PagedCache(CacheBase):
         self._staged = [torch.cuda.Event() for _ in range(2)] if self.copier.cuda else None
         self._n_staged = 0
         self._layout_version = self._plan_version = 0
+        self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
+        self._primed = None  # the plan whose first round ring half 0 holds, copied by the last step's end
         self.slab_pool: SlabPool | None = None  # CUDA: the current phase's compute buffers, in the slab
         self.relayout(slabs["prefill"])
 
@@ -327,6 +340,13 @@ class PagedCache(CacheBase):
             slots = self.tables[:, pos // PAGE_TOKENS].long() * PAGE_TOKENS + pos % PAGE_TOKENS
             self._len.fill_(self.length + n)
         self.pos, self.slots = pos, slots
+        self._wrap = self.phase == "decode" and n <= MAX_N_Q and bool(self.rounds[0][2])
+        if self._wrap and self._primed != self._plan_sig:  # a new plan: the ring holds another first round
+            self.copier.reset()  # after the last step's readers of half 0
+            self._prefetch(0, 0)
+            self.copier.wait(0)  # eager, before any captured step: the step itself never waits for it
+            self.stats.h2d_bytes += len(self.rounds[0][2]) * self.layout.pair
+        self._primed = self._plan_sig if self._wrap else None
         # the length as the kernels read it: a device scalar on CUDA (no per-layer fill)
         self.seq_len = self._len if self.ops.triton else self.length + n
         s = self.rounds
@@ -358,10 +378,16 @@ class PagedCache(CacheBase):
         """The device side of a step begins (the model calls it before layer 0): the first
         round's copies. Part of a captured step, so its copies replay with it; the ring-half
         events are recorded here first, so every wait inside the step refers to this step."""
-        if self.copier.cuda:
-            for e in self.copier.free:
-                e.record(torch.cuda.current_stream())
-        self._prefetch(0, 0)
+        self.copier.reset()
+        if not self._wrap:  # else the last step's end (or begin) copied it, and the compute stream waited
+            self._prefetch(0, 0)
+
+    def end_step(self) -> None:
+        """The device side of a step ends (after the LM head): the compute stream waits for the
+        next step's first round, copied meanwhile, so a captured step ends joined and the next
+        step (a graph replay or eager) reads ring half 0 without a wait."""
+        if self._wrap:
+            self.copier.wait(0)
 
     def plan_key(self) -> tuple:
         """What a captured step depends on besides the static buffers: layout and plan."""
@@ -369,6 +395,8 @@ class PagedCache(CacheBase):
 
     def _prefetch(self, layer: int, r: int) -> None:
         if layer >= self.n_layers:
+            if self._wrap:  # the next step's first round, under this step's tail
+                self._prefetch(0, 0)
             return
         pages = self.rounds[r][2]
         if not pages:
@@ -392,7 +420,7 @@ class PagedCache(CacheBase):
             return self._prefill_attention(layer, q, L)
         parts = []
         for r, (a, b, streamed) in enumerate(self.rounds):
-            if streamed:  # ring slots are read: wait for their copy
+            if streamed and not (self._wrap and layer == r == 0):  # ring slots are read: wait for their copy
                 self.copier.wait(self._half(layer, r))
             if len(self.rounds) == 1:  # everything in one call: the resident-mode computation
                 out = self.ops.attention(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt, self.v_fmt)

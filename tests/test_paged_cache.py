@@ -162,7 +162,12 @@ def test_arena_size_changes_what_streams(model, tokens):
     run(model, big, tokens, decode=2)
     assert (small.capacity, big.capacity) == (4, 8)
     assert small.stats.streamed_pages == 4 and big.stats.streamed_pages == 0
-    assert small.stats.h2d_bytes == SPEC.n_layers * 4 * pair_bytes() and big.stats.h2d_bytes == 0
+    # the plan's first decode step also copies its own first round (begin), then every layer's set
+    # (layer 0's for the next step, at its end); a steady step only the latter
+    assert small.stats.h2d_bytes == (SPEC.n_layers + 1) * 4 * pair_bytes() and big.stats.h2d_bytes == 0
+    with torch.inference_mode():
+        model(torch.tensor([tokens[PROMPT + 1]]), small)
+    assert small.stats.h2d_bytes == SPEC.n_layers * 4 * pair_bytes()
 
 
 def test_pinning_shrinks_capacity_and_reset_restores_it_exactly():
