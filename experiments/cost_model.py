@@ -27,7 +27,7 @@ class CostModel:
     """Target verify seconds = max(a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer,
     e + f*streamed_pages): a compute line, and a copy line for steps whose streamed pages take longer to
     copy than the layers' compute they overlap (f: seconds per streamed page per layer, all layers;
-    e = f = 0 when no step was copy-bound). A round with the draft active drafts ``drafted_per_round``
+    e = f = 0 when no step was copy-bound or the study has under 10 design points). A round with the draft active drafts ``drafted_per_round``
     tokens on average (rounds where it proposes nothing included) in ``draft_s_per_round`` seconds and
     keeps ``tokens_per_round`` (1 + the mean accepted drafts), all as measured; ``acceptance`` (per
     token) is reported beside. An eject costs ``eject_s`` once: the arena's re-layout
@@ -49,7 +49,7 @@ class CostModel:
 
     def target_s(self, pages, streamed_pages, width):
         compute = self.a + self.b * streamed_pages + self.c * (width - 1) + self.d * pages
-        return np.maximum(compute, self.e + self.f * np.asarray(streamed_pages, float))
+        return _bound(compute, self.e, self.f, np.asarray(streamed_pages, float))
 
     def tok_s(self, pages, streamed_pages, draft: bool):
         """Predicted decode tokens/s with or without the draft (numpy arrays broadcast)."""
@@ -120,6 +120,14 @@ def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:
     return (stint > 0) & ((first < n) | new_width)
 
 
+def _bound(compute, e: float, f: float, streamed):
+    """The step time: the compute line, or the copy line where that is longer and pages stream
+    (with nothing streamed there is no copy; f = 0: no copy line)."""
+    if f <= 0:
+        return compute
+    return np.where(streamed > 0, np.maximum(compute, e + f * streamed), compute)
+
+
 def _wlstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray):
     coef, _, rank, _ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
     return coef, rank
@@ -146,26 +154,30 @@ def _fit_lines(g: pd.DataFrame, n_steps: int, s: pd.DataFrame):
         return n * math.log(max(float(np.sum(wn * (pred - y) ** 2)) / n, 1e-14)) + k * math.log(n)
 
     def split(hi):  # compute line below, copy line above; None where the split cannot hold two lines
-        if len(np.unique(streamed[hi])) < 3:  # a line through two points would always fit them
+        # one point to spare on each side (the copy line's over 3 streamed counts): an exact fit
+        # of few points would always beat one line
+        if len(np.unique(streamed[hi])) < 3 or (~hi).sum() < 5 or not (streamed[hi] > 0).all():
             return None
         lo_coef, lo_rank = _wlstsq(X[~hi], y[~hi], w[~hi])
         (e, f), _ = _wlstsq(X[hi][:, :2], y[hi], w[hi])
         if lo_rank < 4 or f <= max(lo_coef[1], 0.0):  # a copy line is steeper than the compute line's
             return None
+        if (_bound(X @ lo_coef, e, f, streamed) <= 0).any():  # a step takes time
+            return None
         return lo_coef, (float(e), float(f))
 
     best = (bic(X @ coef, 4), coef, (0.0, 0.0), X @ coef)
-    for t in np.unique(streamed)[:-1]:
+    for t in np.unique(streamed)[:-1] if n >= 10 else []:  # 3 points to spare beyond the 7 parameters
         hi, fit = streamed > t, split(streamed > t)
         for _ in range(20):  # reassign each point to the line that binds there (the switch moves with width)
             if fit is None:
                 break
-            binds = fit[1][0] + fit[1][1] * streamed > X @ fit[0]
+            binds = (fit[1][0] + fit[1][1] * streamed > X @ fit[0]) & (streamed > 0)
             if (binds == hi).all():
                 break
             hi, fit = binds, split(binds)
         if fit is not None:
-            pred = np.maximum(X @ fit[0], fit[1][0] + fit[1][1] * streamed)
+            pred = _bound(X @ fit[0], *fit[1], streamed)
             best = min(best, (bic(pred, 7), fit[0], fit[1], pred), key=lambda c: c[0])
     return best[1], best[2], best[3]
 

@@ -174,6 +174,20 @@ def test_copy_bound_steps_get_their_own_line():
         assert getattr(m, k) == pytest.approx(getattr(truth, k), rel=1e-6, abs=1e-12), k
     plain = fit_cost_model(make_steps())  # linear truth: the copy line's 3 more parameters buy nothing
     assert (plain.e, plain.f) == (0.0, 0.0)
+    # nothing streamed, nothing copied: the copy line never binds there, however high it lies
+    assert replace(TRUE, e=1.0, f=0.001).target_s(5, 0, 1) == pytest.approx(TRUE.target_s(5, 0, 1))
+
+
+def test_few_design_points_keep_one_line():
+    # 9 design points (6 compute-bound, 3 copy-bound): a 7-parameter max of two lines fits them
+    # exactly, as it would fit noise; below 10 points the fit keeps one line by design
+    steps = make_steps(replace(TRUE, e=0.010, f=0.006))
+    keep = [(1, 1), (1, 5), (1, 9), (4, 1), (4, 5), (13, 5), (43, 5), (52, 5), (58, 5)]  # (step, verify width)
+    few = steps[[(a, b) in keep for a, b in zip(steps["step"], steps["verify_width"])]]
+    assert few.groupby(["streamed_pages", "verify_width", "pages_per_layer"]).ngroups == 9
+    m = fit_cost_model(few)
+    assert (m.e, m.f) == (0.0, 0.0)
+
 
 def test_cost_model_ignores_transition_outliers():
     steps = pd.concat([make_steps()] * 3, ignore_index=True)  # three steps per design point
