@@ -133,6 +133,7 @@ class PagedCache(CacheBase):
         self._layout_version = self._plan_version = 0
         self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
         self._primed = None  # the plan whose first round ring half 0 holds, copied by the last step's end
+        self._priming = None  # what this step's end copies there
         self.slab_pool: SlabPool | None = None  # CUDA: the current phase's compute buffers, in the slab
         self.relayout(slabs["prefill"])
 
@@ -346,7 +347,9 @@ class PagedCache(CacheBase):
             self._prefetch(0, 0)
             self.copier.wait(0)  # eager, before any captured step: the step itself never waits for it
             self.stats.h2d_bytes += len(self.rounds[0][2]) * self.layout.pair
-        self._primed = self._plan_sig if self._wrap else None
+        # half 0 holds this plan's first round for the next step once this step has run (commit):
+        # a step that fails midway leaves it unknown
+        self._primed, self._priming = None, (self._plan_sig if self._wrap else None)
         # the length as the kernels read it: a device scalar on CUDA (no per-layer fill)
         self.seq_len = self._len if self.ops.triton else self.length + n
         s = self.rounds
@@ -455,4 +458,10 @@ class PagedCache(CacheBase):
             for host, rows in self._page_rows(p):
                 self.copier.write_back(host, rows)
         self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
+        self._primed = self._priming
         super().commit()
+
+    def forget_ring(self) -> None:
+        """The ring was written outside the cache (a benchmark's copies): the next decode step
+        copies its first round again."""
+        self._primed = None
