@@ -225,6 +225,17 @@ def predicted_crossover(model: CostModel, capacity_with, capacity_without, conte
     return table, info | found | dict(context_tokens=x, pages_per_layer=x / PAGE)
 
 
+def predict(runs: pd.DataFrame, model: CostModel, eject: str, contexts, steady: bool = False
+            ) -> tuple[pd.DataFrame, dict]:
+    """``predicted_crossover`` for this study's arms: its capacities per context, the eject arm's
+    threshold, and (unless ``steady``) the eject paid once per decode of the study's length."""
+    caps = capacity_curve(runs, "capacity_with_draft"), capacity_curve(runs, "capacity_without_draft")
+    eject_pages = None if eject == "onset" else eject_threshold(runs, eject) / PAGE
+    n_new = runs["new_tokens"].median() if "new_tokens" in runs else math.nan
+    n_new = None if steady or math.isnan(n_new) else int(n_new)
+    return predicted_crossover(model, *caps, contexts, eject_pages, n_new)
+
+
 def analyze(runs: pd.DataFrame, steps: pd.DataFrame | None, keep: str = "keep", eject: str = "onset",
             n_boot: int = 1000, seed: int = 0) -> dict:
     """Measured crossover, the cost model's prediction (or why there is none) and their relative error."""
@@ -239,13 +250,9 @@ def analyze(runs: pd.DataFrame, steps: pd.DataFrame | None, keep: str = "keep", 
         model = fit_cost_model(steps, runs)
         top = 4 * int(runs["context"].max())  # past the measured range too: where keep still wins there
         grid = np.arange(PAGE, top + PAGE, PAGE)
-        caps = capacity_curve(runs, "capacity_with_draft"), capacity_curve(runs, "capacity_without_draft")
-        eject_pages = None if eject == "onset" else eject_threshold(runs, eject) / PAGE
-        n_new = runs["new_tokens"].median() if "new_tokens" in runs else math.nan
-        n_new = None if math.isnan(n_new) else int(n_new)
         # what the arms measured (a decode of n_new tokens pays the eject once), and the long-decode limit
-        _, predicted = predicted_crossover(model, *caps, grid, eject_pages, n_new)
-        _, steady = predicted_crossover(model, *caps, grid, eject_pages)
+        _, predicted = predict(runs, model, eject, grid)
+        _, steady = predict(runs, model, eject, grid, steady=True)
         for p in (predicted, steady):
             p["extrapolated"] = p["context_tokens"] is not None and p["context_tokens"] > runs["context"].max()
         result |= dict(predicted=predicted, predicted_steady=steady, cost_model=asdict(model))

@@ -6,7 +6,9 @@ Reads the study's ``runs.csv`` (and ``steps.csv`` for the predicted crossover) a
 ``draft_thresholds.png`` beside them: one line per arm (mean over reps, error bars = std), a dashed
 line at the streaming onset (``crossover.eject_threshold``), a dotted one at the measured crossover,
 a dash-dotted one at the cost model's prediction for the study's decode length and a grey one at
-its prediction for long decodes (see experiments/crossover.py).
+its prediction for long decodes (see experiments/crossover.py), and the cost model's tok/s of the
+keep and eject arms over the measured range as thin lines in their arms' colours (how well the
+model fitted to the steps follows the decodes the arms measured).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from experiments.crossover import PAGE, analyze, arm_order, decode_table, eject_threshold, read_study  # noqa: E402
+from experiments.cost_model import CostModel  # noqa: E402
+from experiments.crossover import PAGE, analyze, arm_order, decode_table, eject_threshold, predict, read_study  # noqa: E402
 
 
 def _values(runs, column) -> str:
@@ -48,9 +52,11 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
     runs, steps = read_study(study)
     table = decode_table(runs)
     fig, ax = plt.subplots(figsize=(9, 5.5))
+    colors = {}
     for arm in arm_order(table["arm"]):
         t = table[table["arm"] == arm]
-        ax.errorbar(t["context"], t["mean"], yerr=t["std"].fillna(0), marker="o", ms=4, capsize=3, label=arm)
+        bars = ax.errorbar(t["context"], t["mean"], yerr=t["std"].fillna(0), marker="o", ms=4, capsize=3, label=arm)
+        colors[arm] = bars.lines[0].get_color()
     onset = eject_threshold(runs, "onset")
     if onset > 0:
         ax.axvline(onset, color="grey", ls="--", label=f"onset {onset:.0f} tokens")
@@ -59,6 +65,11 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
     except ValueError as e:  # no keep/eject pair: the curves alone are still worth a figure
         print(f"no crossover lines: {e}")
         result = dict(measured={}, predicted={})
+    if result.get("cost_model") and keep in colors and eject in colors:
+        ctx = np.geomspace(runs["context"].min(), runs["context"].max(), 80)
+        curves, _ = predict(runs, CostModel(**result["cost_model"]), eject, ctx)
+        for arm, column in ((keep, "keep_tok_s"), (eject, "eject_tok_s")):
+            ax.plot(curves["context"], curves[column], lw=0.8, alpha=0.7, color=colors[arm], label=f"{arm}, cost model")
     lines = (("measured", ":", "black", "measured"), ("predicted", "-.", "black", "predicted"),
              ("predicted_steady", "-.", "grey", "predicted, long decodes"))
     for side, ls, color, name in lines:
