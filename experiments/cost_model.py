@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+PAGE = 256  # tokens per KV page
 STEP_COLUMNS = ("step_s", "draft_s", "streamed_pages", "verify_width", "pages_per_layer", "drafted", "accepted",
                 "draft_active")
 
@@ -27,10 +28,12 @@ class CostModel:
     """Target verify seconds = max(a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer,
     e + f*streamed_pages): a compute line, and a copy line for steps whose streamed pages take longer to
     copy than the layers' compute they overlap (f: seconds per streamed page per layer, all layers;
-    e = f = 0 when no step was copy-bound or the study has under 10 design points). A round with the draft active drafts ``drafted_per_round``
-    tokens on average (rounds where it proposes nothing included) in ``draft_s_per_round`` seconds and
-    keeps ``tokens_per_round`` (1 + the mean accepted drafts), all as measured; ``acceptance`` (per
-    token) is reported beside. An eject costs ``eject_s`` once: the arena's re-layout
+    e = f = 0 when no step was copy-bound or the study has under 10 design points). A round with the
+    draft active drafts ``drafted_per_round`` tokens on average (rounds where it proposes nothing
+    included) in ``draft_s_per_round`` seconds and keeps ``tokens_per_round`` (1 + the mean accepted
+    drafts), all as measured over the study; with several prompt lengths, per prompt length too
+    (``round_*``, interpolated in context, flat outside: a real draft's acceptance and time change
+    with the text and its KV window). ``acceptance`` (per token) is reported beside. An eject costs ``eject_s`` once: the arena's re-layout
     (``eject_seconds``) and the extra time of the steps after it that still pay for it
     (``eject_cost``: graphs re-captured). rms_residual_s: over design-point medians."""
     a: float
@@ -46,6 +49,18 @@ class CostModel:
     eject_s: float = 0.0
     e: float = 0.0
     f: float = 0.0
+    round_contexts: tuple = ()  # prompt lengths (tokens), ascending, and their round statistics
+    round_drafted: tuple = ()
+    round_draft_s: tuple = ()
+    round_tokens: tuple = ()
+
+    def rounds(self, pages):
+        """(drafted, draft seconds, kept tokens) per round at ``pages`` pages per layer."""
+        if len(self.round_contexts) < 2:
+            return self.drafted_per_round, self.draft_s_per_round, self.tokens_per_round
+        ctx = np.asarray(pages, float) * PAGE
+        return tuple(np.interp(ctx, self.round_contexts, v)
+                     for v in (self.round_drafted, self.round_draft_s, self.round_tokens))
 
     def target_s(self, pages, streamed_pages, width):
         compute = self.a + self.b * streamed_pages + self.c * (width - 1) + self.d * pages
@@ -55,8 +70,8 @@ class CostModel:
         """Predicted decode tokens/s with or without the draft (numpy arrays broadcast)."""
         if not draft:
             return 1.0 / self.target_s(pages, streamed_pages, 1)
-        return self.tokens_per_round / (self.target_s(pages, streamed_pages, 1 + self.drafted_per_round)
-                                        + self.draft_s_per_round)
+        drafted, draft_s, tokens = self.rounds(pages)
+        return tokens / (self.target_s(pages, streamed_pages, 1 + drafted) + draft_s)
 
 
 def acceptance_per_token(drafting: pd.DataFrame) -> float:
@@ -204,10 +219,17 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
         raise ValueError(f"steps.csv ({len(s)} complete steps) has no round that drafted a token: "
                          f"nothing to predict keeping the draft from")
     resid = pred - g["median"].to_numpy()
+    per = {}
+    if {"run_id", "context"} <= set(steps.columns):  # each run's prompt length: its first step's context
+        prompt = steps["context"].groupby(steps["run_id"]).transform("min").loc[rounds.index]
+        by = rounds.groupby(prompt)
+        if by.ngroups > 1:
+            per = dict(round_contexts=tuple(map(float, by.groups)), round_drafted=tuple(by["drafted"].mean()),
+                       round_draft_s=tuple(by["draft_s"].mean()), round_tokens=tuple(1 + by["accepted"].mean()))
     return CostModel(*map(float, coef), acceptance=acceptance_per_token(rounds[rounds["drafted"] > 0]),
                      drafted_per_round=float(rounds["drafted"].mean()),
                      draft_s_per_round=float(rounds["draft_s"].mean()),
                      tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
                      rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
                      eject_s=eject_cost(steps) + (0.0 if runs is None else eject_seconds(runs)),
-                     e=copy_line[0], f=copy_line[1])
+                     e=copy_line[0], f=copy_line[1], **per)

@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments.cost_model import CostModel, fit_cost_model, require
+from experiments.cost_model import PAGE, CostModel, fit_cost_model, require
 
-PAGE = 256  # tokens per KV page
 RUN_COLUMNS = ("arm", "context", "rep", "decode_tok_s")
 AUTO_GOAL = 0.95  # auto should reach this fraction of the best fixed threshold's tok/s
 PREDICTION_GOAL = 0.10  # predicted crossover within this relative error of the measured one

@@ -199,6 +199,24 @@ def test_cost_model_ignores_transition_outliers():
         assert getattr(m, k) == pytest.approx(getattr(TRUE, k), rel=1e-9, abs=1e-12), k
 
 
+
+def test_round_statistics_per_prompt_length():
+    # two prompt lengths (runs starting at 1 and at 31 pages) whose drafting rounds keep 4 and 5 tokens:
+    # the model keeps each length's own statistics and interpolates between them
+    steps = make_steps()
+    late = steps["step"] > 30
+    steps["run_id"] = steps["run_id"] + np.where(late, "-late", "")
+    steps.loc[late & (steps["drafted"] > 0), "accepted"] = 4
+    m = fit_cost_model(steps)
+    assert m.round_contexts == (PAGE, 31 * PAGE)
+    assert m.rounds(1)[2] == pytest.approx(4.0) and m.rounds(31)[2] == pytest.approx(5.0)
+    assert m.rounds(16)[2] == pytest.approx(4.5)  # halfway between the two prompt lengths
+    assert m.rounds(60)[2] == pytest.approx(5.0)  # flat past the last
+    # pooled over both, as before, where the study has a single prompt length
+    assert fit_cost_model(make_steps()).round_contexts == ()
+    drafted, draft_s, tokens = m.rounds(31)
+    assert m.tok_s(31, 21, True) == pytest.approx(tokens / (m.target_s(31, 21, 1 + drafted) + draft_s))
+
 def test_acceptance_is_per_token_not_the_accepted_fraction():
     rng = np.random.default_rng(0)
     alpha, n = 0.7, 8
