@@ -1,9 +1,10 @@
 """Decode steps as captured CUDA graphs: one capture per (width, logits kind, cache plan),
 replayed while the plan holds (DESIGN.md: static shapes, grids from shapes, lengths in device
-tensors). The host part of a step (``cache.begin``: checks, residency plan, positions and slots
-written in place into the cache's static buffers) and of its end (``cache.commit``: the
-written pages back to the host store) run eagerly around the replay; everything between,
-streaming copies included, is the graph. A plan that streams pages gets new graphs when its
+tensors). The host part of a step (``cache.begin``: checks, residency plan, positions and
+slots written in place into the cache's static buffers; after a plan change, the copy of the
+first streamed round, which a step otherwise finds made by the step before) and of its end
+(``cache.commit``: the written pages back to the host store) run eagerly around the replay;
+everything between, streaming copies included, is the graph. A plan that streams pages gets new graphs when its
 copies change (every 256 tokens); a resident plan keeps them (the page table is read in
 place); a re-layout (phase switch, draft eject / re-enable) drops them.
 

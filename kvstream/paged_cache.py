@@ -379,7 +379,7 @@ class PagedCache(CacheBase):
 
     def start_step(self) -> None:
         """The device side of a step begins (the model calls it before layer 0): the first
-        round's copies. Part of a captured step, so its copies replay with it; the ring-half
+        round's copies, unless the step before made them. Part of a captured step, so its copies replay with it; the ring-half
         events are recorded here first, so every wait inside the step refers to this step."""
         self.copier.reset()
         if not self._wrap:  # else the last step's end (or begin) copied it, and the compute stream waited
