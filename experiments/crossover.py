@@ -224,11 +224,13 @@ def predicted_crossover(model: CostModel, capacity_with, capacity_without, conte
     return table, info | found | dict(context_tokens=x, pages_per_layer=x / PAGE)
 
 
-def predict(runs: pd.DataFrame, model: CostModel, eject: str, contexts, steady: bool = False
+def predict(runs: pd.DataFrame, model: CostModel, eject: str, contexts, steady: bool = False, caps=None
             ) -> tuple[pd.DataFrame, dict]:
-    """``predicted_crossover`` for this study's arms: its capacities per context, the eject arm's
-    threshold, and (unless ``steady``) the eject paid once per decode of the study's length."""
-    caps = capacity_curve(runs, "capacity_with_draft"), capacity_curve(runs, "capacity_without_draft")
+    """``predicted_crossover`` for this study's arms: its capacities per context (or ``caps``, a
+    (with, without) pair of them), the eject arm's threshold, and (unless ``steady``) the eject
+    paid once per decode of the study's length."""
+    if caps is None:
+        caps = capacity_curve(runs, "capacity_with_draft"), capacity_curve(runs, "capacity_without_draft")
     eject_pages = None if eject == "onset" else eject_threshold(runs, eject) / PAGE
     n_new = runs["new_tokens"].median() if "new_tokens" in runs else math.nan
     n_new = None if steady or math.isnan(n_new) else int(n_new)

@@ -72,12 +72,12 @@ def make_steps(model: CostModel = TRUE) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def analytic_crossover_pages(m: CostModel) -> float:
+def analytic_crossover_pages(m: CostModel, cap_with: float = CAP_WITH, cap_without: float = CAP_WITHOUT) -> float:
     """keep = T / (a + b(p - cw) + c n + d p + D), eject = 1 / (a + d p) for cw < p <= cw': equal at p
     (T tokens, n drafted and D draft seconds per round)."""
     T, n, D = m.tokens_per_round, m.drafted_per_round, m.draft_s_per_round
-    p = (m.a * T - m.a + m.b * CAP_WITH - m.c * n - D) / (m.b + m.d - m.d * T)
-    assert CAP_WITH < p <= CAP_WITHOUT  # the closed form holds only in this window
+    p = (m.a * T - m.a + m.b * cap_with - m.c * n - D) / (m.b + m.d - m.d * T)
+    assert cap_with < p <= cap_without  # the closed form holds only in this window
     return p
 
 
