@@ -38,6 +38,13 @@ from .telemetry import StepStats
 MODES = ("resident", "stream")
 
 
+def copy_runs(pages: list[int]) -> list[tuple[int, int]]:
+    """(first page, count) of the host -> ring copies of a round's streamed pages: one copy when
+    they are contiguous (the newest-resident policy streams the oldest), else one per page."""
+    a, n = pages[0], len(pages)
+    return [(a, n)] if pages[-1] - a == n - 1 else [(p, 1) for p in pages]
+
+
 class _Copier:
     """Host<->device copies on a side stream with events (CUDA); plain copies elsewhere."""
 
@@ -133,7 +140,6 @@ class PagedCache(CacheBase):
         self._layout_version = self._plan_version = 0
         self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
         self._primed = None  # the plan whose first round ring half 0 holds, copied by the last step's end
-        self._priming = None  # what this step's end copies there
         self.slab_pool: SlabPool | None = None  # CUDA: the current phase's compute buffers, in the slab
         self.relayout(slabs["prefill"])
 
@@ -347,9 +353,7 @@ class PagedCache(CacheBase):
             self._prefetch(0, 0)
             self.copier.wait(0)  # eager, before any captured step: the step itself never waits for it
             self.stats.h2d_bytes += len(self.rounds[0][2]) * self.layout.pair
-        # half 0 holds this plan's first round for the next step once this step has run (commit):
-        # a step that fails midway leaves it unknown
-        self._primed, self._priming = None, (self._plan_sig if self._wrap else None)
+        self._primed = None  # known again once this step has run (commit): one failing midway leaves it unknown
         # the length as the kernels read it: a device scalar on CUDA (no per-layer fill)
         self.seq_len = self._len if self.ops.triton else self.length + n
         s = self.rounds
@@ -379,8 +383,9 @@ class PagedCache(CacheBase):
 
     def start_step(self) -> None:
         """The device side of a step begins (the model calls it before layer 0): the first
-        round's copies, unless the step before made them. Part of a captured step, so its copies replay with it; the ring-half
-        events are recorded here first, so every wait inside the step refers to this step."""
+        round's copies, unless the step before made them. Part of a captured step, so its copies
+        replay with it; the ring-half events are recorded here first, so every wait inside the
+        step refers to this step."""
         self.copier.reset()
         if not self._wrap:  # else the last step's end (or begin) copied it, and the compute stream waited
             self._prefetch(0, 0)
@@ -405,10 +410,8 @@ class PagedCache(CacheBase):
         if not pages:
             return
         h, half = self._half(layer, r), max(1, self.ring_pages // 2)
-        a, n = pages[0], len(pages)
-        runs = [(a, n)] if pages[-1] - a == n - 1 else [(p, 1) for p in pages]  # one copy per contiguous run
         i = 0
-        for p, m in runs:
+        for p, m in copy_runs(pages):
             self.copier.copy(self.kspace[h * half + i:h * half + i + m], self.host.k[layer, p:p + m], h)
             self.copier.copy(self.vspace[h * half + i:h * half + i + m], self.host.v[layer, p:p + m], h)
             i += m
@@ -458,7 +461,7 @@ class PagedCache(CacheBase):
             for host, rows in self._page_rows(p):
                 self.copier.write_back(host, rows)
         self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
-        self._primed = self._priming
+        self._primed = self._plan_sig if self._wrap else None  # this step's end copied its first round
         super().commit()
 
     def forget_ring(self) -> None:
