@@ -35,6 +35,7 @@ from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.cuda_graph import GraphedModel
 from kvstream.loader import ModelConfig, random_weights
 from kvstream.model import Qwen
+from kvstream.paged_cache import copy_runs
 
 QWEN15 = ModelConfig(arch="qwen2", n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, ffn=8960,
                      vocab_size=151936, rope_base=1e6, rms_eps=1e-6, context_length=131072, tied_output=True)
@@ -62,10 +63,11 @@ def _issue_copies(cache) -> None:
     """The host -> ring copies of one decode step (same pages, same runs, same order)."""
     for layer in range(cache.n_layers):
         for _, _, pages in cache.rounds:
-            if pages:
-                a, n = pages[0], len(pages)
-                cache.kspace[:n].copy_(cache.host.k[layer, a:a + n], non_blocking=True)
-                cache.vspace[:n].copy_(cache.host.v[layer, a:a + n], non_blocking=True)
+            i = 0
+            for p, m in copy_runs(pages) if pages else []:
+                cache.kspace[i:i + m].copy_(cache.host.k[layer, p:p + m], non_blocking=True)
+                cache.vspace[i:i + m].copy_(cache.host.v[layer, p:p + m], non_blocking=True)
+                i += m
 
 
 @torch.inference_mode()  # the ring is an inference tensor
