@@ -33,9 +33,9 @@ from kvstream.arena import MIB
 from kvstream.cache_factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.cuda_graph import GraphedModel
+from kvstream.cudart import copy_rows
 from kvstream.loader import ModelConfig, random_weights
 from kvstream.model import Qwen
-from kvstream.paged_cache import copy_runs
 
 QWEN15 = ModelConfig(arch="qwen2", n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, ffn=8960,
                      vocab_size=151936, rope_base=1e6, rms_eps=1e-6, context_length=131072, tied_output=True)
@@ -59,15 +59,12 @@ def pinned_ceiling(device) -> float:
     return src.numel() / statistics.median(times[1:]) / 1e9
 
 
-def _issue_copies(cache) -> None:
-    """The host -> ring copies of one decode step (same pages, same runs, same order)."""
-    for layer in range(cache.n_layers):
-        for _, _, pages in cache.rounds:
-            i = 0
-            for p, m in copy_runs(pages) if pages else []:
-                cache.kspace[i:i + m].copy_(cache.host.k[layer, p:p + m], non_blocking=True)
-                cache.vspace[i:i + m].copy_(cache.host.v[layer, p:p + m], non_blocking=True)
-                i += m
+def _issue_copies(cache, stream) -> None:
+    """The host -> ring copies of one decode step: the runtime's own (same rows, same order)."""
+    for layer in range(0, cache.n_layers, cache.group):
+        for r in range(len(cache.rounds)):
+            for dst, src, _ in cache.ring_copies(layer, r):
+                copy_rows(dst, src, stream)
 
 
 @torch.inference_mode()  # the ring is an inference tensor
@@ -84,14 +81,14 @@ def transfer_only_ms(cache, graphed: bool = True, reps: int = 5) -> float:
     if graphed:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            _issue_copies(cache)
+            _issue_copies(cache, stream)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps + 1):
         torch.cuda.synchronize()
         with torch.cuda.stream(stream):
             start.record(stream)
-            graph.replay() if graph is not None else _issue_copies(cache)
+            graph.replay() if graph is not None else _issue_copies(cache, stream)
             end.record(stream)
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -132,7 +129,7 @@ def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> d
     st = cache.stats
     return dict(step_ms=step_s * 1e3, tok_s=1 / step_s, step_synced_ms=statistics.median(times[3:]) * 1e3,
                 streamed_pages=st.streamed_pages, resident_pages=st.resident_pages,
-                rounds=st.rounds, h2d_bytes=st.h2d_bytes, transfer_only_ms=transfer_only_ms(cache, graphs),
+                rounds=st.rounds, group=cache.group, h2d_bytes=st.h2d_bytes, transfer_only_ms=transfer_only_ms(cache, graphs),
                 transfer_eager_ms=transfer_only_ms(cache, False), device_used_mib=device_used_mib(),
                 torch_reserved_mib=torch.cuda.memory_reserved() / MIB)
 
@@ -240,7 +237,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "stream_decode.csv", index=False)
-    cols = ["context", "mode", "fraction", "arena_mib", "capacity", "streamed_pages", "rounds", "tok_s", "step_synced_ms",
+    cols = ["context", "mode", "fraction", "arena_mib", "capacity", "streamed_pages", "rounds", "group", "tok_s", "step_synced_ms",
             "transfer_only_ms", "transfer_eager_ms", "copy_gbps",
             "frac_of_pinned_ceiling", "overlap_ratio", "slab_mib", "slab_used_mib", "run_beyond_arena_mib", "torch_before_mib", "bound_mib", "device_beyond_mib"]
     print(df[cols].round(3).to_string(index=False))

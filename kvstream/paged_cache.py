@@ -9,7 +9,10 @@ not change between modes. Per forward pass of n new tokens at positions [L, L + 
 2. ``attend(layer, ...)``: quantize-on-store into the tail pages; then attention. A *round* is
    a contiguous run of logical pages holding at most half the ring's slots of streamed pages;
    its streamed pages are copied host -> ring (one copy per run, on a copy stream, the next
-   round's while this one computes; ring halves alternate). One round: a single attention
+   round's while this one computes; ring halves alternate). When a layer's streamed pages fill
+   at most half a ring half, a *group* of layers shares one 2-D copy (a row per layer): every
+   copy has a fixed cost of a few microseconds, which small sets otherwise spend more time on
+   than on their bytes (``experiments/bench_copies.py``). One round: a single attention
    call over every page, exactly the resident-mode call. Several rounds: the kernel's
    partials per round, merged. Prefill chunks (n > 16) gather dequantized pages and use SDPA.
    A decode step copies the *next* step's first round at its end, under its last layer and the
@@ -36,6 +39,22 @@ from .slab_pool import SlabPool
 from .telemetry import StepStats
 
 MODES = ("resident", "stream")
+# an automatic ring's half holds at least this much: on the H200 a host -> device copy costs
+# ~2.8 us besides its bytes (55 GB/s pinned), so one layer's few streamed pages per copy reach
+# only 36-80% of the pinned rate, several layers' together most of it (results/stream/copy_ways.csv)
+RING_HALF_BYTES = 4 * 2**20
+
+
+def group_size(n_layers: int, fit: int) -> int:
+    """Layers per ring copy when a ring half holds ``fit`` layers' streamed pages: the fewest
+    groups, their count even (> 1), so the next step's first group (ring half 0) is copied while
+    this step's last group reads half 1; 1 when no such grouping fits."""
+    n = max(2, -(-n_layers // max(1, fit)))
+    for n_groups in range(n + n % 2, n_layers + 1, 2):
+        g = -(-n_layers // n_groups)
+        if g <= fit and -(-n_layers // g) % 2 == 0:
+            return g
+    return 1
 
 
 def copy_runs(pages: list[int]) -> list[tuple[int, int]]:
@@ -56,13 +75,14 @@ class _Copier:
             self.free = [torch.cuda.Event(), torch.cuda.Event()]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, half: int) -> None:
-        """Host -> ring half ``half``, after that half's previous reader is done."""
+        """Host rows -> ring rows (2-D views, one copy) in half ``half``, after that half's
+        previous reader is done."""
         if not self.cuda:
             dst.copy_(src)
             return
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.free[half])
-            dst.copy_(src, non_blocking=True)
+            copy_rows(dst, src, self.stream)
             self.ready[half].record(self.stream)
 
     def write_back(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -230,15 +250,21 @@ class PagedCache(CacheBase):
 
     def _auto_ring(self, slab_bytes: int, extra_pinned_bytes: int = 0) -> int:
         """The smallest ring whose halves each hold every page a layer streams at full context,
-        given the most resident pages per layer that then fit: one copy and one attention call
-        per layer. The ring is shared by all layers, so it costs ring / n_layers resident pages
-        per layer, while every extra round costs launches and a merge."""
+        given the most resident pages per layer that then fit: one attention call per layer.
+        The ring is shared by all layers, so it costs ring / n_layers resident pages per layer,
+        while every extra round costs launches and a merge. In decode, where a layer streams at
+        most half of ``RING_HALF_BYTES``, a half holds that much (at most half the layers'
+        pages), so layers share copies, when some layout affords it."""
         pair = self.k_fmt.page_bytes + self.v_fmt.page_bytes
         total = (self.arena.top - extra_pinned_bytes - slab_bytes - 3 * ALIGN) // pair  # page pairs that fit at most
         P, L = self.max_pages, self.n_layers
-        for c in range(P, 1, -1):  # most resident pages first
-            if L * c + 2 * max(1, P - c) <= total:
-                return 2 * max(1, P - c)
+        floor = -(-RING_HALF_BYTES // pair) if self.phase == "decode" else 0
+        for f in dict.fromkeys((floor, 0)):  # with the floor if any layout affords it, else without
+            for c in range(P, 1, -1):  # most resident pages first
+                S = P - c
+                ring = 2 * max(1, min(f, -(-L // 2) * S) if 2 * S <= f else S)
+                if L * c + ring <= total:
+                    return ring
         return 2  # too small for even 2 resident pages: lay_out reports the numbers
 
     def capacity_with(self, extra_pinned_bytes: int) -> int:
@@ -302,11 +328,13 @@ class PagedCache(CacheBase):
             keys = [(flat[2 * i:2 * i + 1], None if e is None else flat[2 * i + 1:2 * i + 2])
                     for i, (_, e) in enumerate(keys)]
         self.round_keys = keys
+        streamed = len(self.rounds[0][2])
+        self.group = group_size(self.n_layers, half // streamed) if len(self.rounds) == 1 and streamed else 1
         for l in range(self.n_layers):
             for r, (_, _, pages) in enumerate(self.rounds):
-                h = self._half(l, r)
+                base = self._half(l, r) * half + (l % self.group) * len(pages)  # a group's layers side by side
                 for i, p in enumerate(pages):
-                    self.tables_host[l, p] = h * half + i
+                    self.tables_host[l, p] = base + i
             for p, j in self.slot.items():
                 self.tables_host[l, p] = self._pool_slot(l, j)
         self.tables.copy_(self.tables_host)
@@ -318,7 +346,7 @@ class PagedCache(CacheBase):
         self._plan_sig = self._plan_version if streams else "resident"
 
     def _half(self, layer: int, r: int) -> int:
-        return (layer * len(self.rounds) + r) % 2  # consecutive rounds alternate ring halves
+        return ((layer // self.group) * len(self.rounds) + r) % 2  # consecutive copies alternate halves
 
     # ---- the cache interface ------------------------------------------------------------
 
@@ -401,20 +429,35 @@ class PagedCache(CacheBase):
         """What a captured step depends on besides the static buffers: layout and plan."""
         return (self._layout_version, self._plan_sig)
 
+    def ring_copies(self, layer: int, r: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(ring rows, host rows, ring half) of round ``r`` of the layer group that starts at
+        ``layer``: per run of streamed pages, one 2-D copy for K and one for V, a row per layer."""
+        pages = self.rounds[r][2]
+        if not pages:
+            return []
+        h, half, S = self._half(layer, r), max(1, self.ring_pages // 2), len(pages)
+        n, out, i = min(self.group, self.n_layers - layer), [], 0
+        for p, m in copy_runs(pages):
+            for ring, host in ((self.kspace, self.host.k), (self.vspace, self.host.v)):
+                rows = ring[h * half + i:h * half + (n - 1) * S + i + m]  # layer j's run at row j * S
+                dst = rows.as_strided((n, m * ring.shape[1]), (S * ring.shape[1], 1), rows.storage_offset())
+                out.append((dst, host[layer:layer + n, p:p + m].flatten(1), h))
+            i += m
+        return out
+
     def _prefetch(self, layer: int, r: int) -> None:
         if layer >= self.n_layers:
             if self._wrap:  # the next step's first round, under this step's tail
                 self._prefetch(0, 0)
             return
-        pages = self.rounds[r][2]
-        if not pages:
-            return
-        h, half = self._half(layer, r), max(1, self.ring_pages // 2)
-        i = 0
-        for p, m in copy_runs(pages):
-            self.copier.copy(self.kspace[h * half + i:h * half + i + m], self.host.k[layer, p:p + m], h)
-            self.copier.copy(self.vspace[h * half + i:h * half + i + m], self.host.v[layer, p:p + m], h)
-            i += m
+        for dst, src, h in self.ring_copies(layer, r):
+            self.copier.copy(dst, src, h)
+
+    def _next_copy(self, layer: int, r: int) -> None:
+        """After the first layer of a group read its ring half: the next round's (or group's)
+        copy, into the other half, whose last reader has finished."""
+        if layer % self.group == 0:
+            self._prefetch(*((layer, r + 1) if r + 1 < len(self.rounds) else (layer + self.group, 0)))
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k_new / v_new [n, KVH, D] -> attention output [n, H, D] in q's dtype."""
@@ -426,7 +469,7 @@ class PagedCache(CacheBase):
             return self._prefill_attention(layer, q, L)
         parts = []
         for r, (a, b, streamed) in enumerate(self.rounds):
-            if streamed and not (self._wrap and layer == r == 0):  # ring slots are read: wait for their copy
+            if streamed and not (self._wrap and layer < self.group and r == 0):  # wait for the ring's copy
                 self.copier.wait(self._half(layer, r))
             if len(self.rounds) == 1:  # everything in one call: the resident-mode computation
                 out = self.ops.attention(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt, self.v_fmt)
@@ -437,7 +480,7 @@ class PagedCache(CacheBase):
                                                max_keys=(b - a) * PAGE_TOKENS))
             if streamed:
                 self.copier.release(self._half(layer, r))
-            self._prefetch(*((layer, r + 1) if r + 1 < len(self.rounds) else (layer + 1, 0)))
+            self._next_copy(layer, r)
         return out if not parts else self.ops.merge(parts, q.dtype)
 
     def _prefill_attention(self, layer: int, q: torch.Tensor, L: int) -> torch.Tensor:
@@ -450,7 +493,7 @@ class PagedCache(CacheBase):
             k[lo:hi] = self.ops.gather(self.kspace, table[a:b], hi - lo, self.k_fmt, q.dtype)
             v[lo:hi] = self.ops.gather(self.vspace, table[a:b], hi - lo, self.v_fmt, q.dtype)
             self.copier.release(self._half(layer, r))
-            self._prefetch(*((layer, r + 1) if r + 1 < len(self.rounds) else (layer + 1, 0)))
+            self._next_copy(layer, r)
         return causal_attention(q, k, v)
 
     def commit(self) -> None:

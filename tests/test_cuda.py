@@ -117,6 +117,24 @@ def test_graphed_decode_is_bit_identical_to_eager(tmp_path, mode, ring, pages):
     assert graphed.captures == 1 if mode == "resident" else graphed.captures >= 1
 
 
+def test_graphed_layer_groups_match_resident(tmp_path):
+    """Three layers, two sharing each 2-D ring copy (rows from the pinned host store): eager
+    and graphed steps give the resident logits bit for bit (one round per layer)."""
+    import test_paged_cache as t
+    from kvstream.cuda_graph import GraphedModel
+
+    spec = TinySpec(**{**t.SPEC.__dict__, "n_layers": 3})
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", spec), torch.float32, "cuda")
+    toks = torch.randint(0, 357, (t.PROMPT + t.DECODE,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = t.run(m, t.paged(m, "resident"), toks)
+    new = lambda: t.paged(m, "stream", mib=t.small_arena_mib(m, 6, 16), ring=16)
+    cache = new()
+    eager = t.run(m, cache, toks)
+    graphed = t.run(GraphedModel(m), new(), toks)
+    assert cache.group == 2 and cache.stats.streamed_pages > 0
+    assert torch.equal(eager, ref) and torch.equal(graphed, ref)
+
+
 @pytest.mark.parametrize("eject", [False, True])
 def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     import test_draft as t

@@ -13,7 +13,7 @@ from kvstream.cache_factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.generate import prefill
 from kvstream.model import load_model
-from kvstream.paged_cache import PagedCache
+from kvstream.paged_cache import PagedCache, group_size
 from tiny_gguf import TinySpec, write_tiny_model
 
 SPEC = TinySpec(arch="qwen2", hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, ffn=128, n_layers=2,
@@ -145,6 +145,36 @@ def test_odd_layers_x_rounds_with_rollback_match_resident(model3, tokens, ring, 
         assert torch.equal(got, ref)
     else:  # merged partials: only fp32 rounding of the softmax sums differs (as many_rounds above)
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("n_layers, fit, group", [(28, 100, 14), (28, 10, 7), (28, 4, 3), (28, 1, 1), (3, 2, 2),
+                                                   (2, 5, 1), (24, 5, 4), (1, 9, 1)])
+def test_group_size_gives_an_even_number_of_groups_that_fit(n_layers, fit, group):
+    g = group_size(n_layers, fit)
+    assert g == group and g <= max(1, fit)
+    assert g == 1 or -(-n_layers // g) % 2 == 0  # halves alternate from step to step
+
+
+def test_layer_groups_share_copies_and_match_resident(model3, tokens):
+    # ring halves of 8 slots, 3 streamed pages per layer: layers 0-1 share one copy, layer 2 another
+    ref = verify_like(model3, paged(model3, "resident"), tokens)
+    cache = paged(model3, "stream", mib=small_arena_mib(model3, 5, 16), ring=16)
+    got = verify_like(model3, cache, tokens)
+    assert cache.group == 2 and cache.stats.streamed_pages == 3 and cache.stats.rounds == 1
+    assert [len(cache.ring_copies(layer, 0)) for layer in (0, 2)] == [2, 2]  # K and V, a row per layer
+    assert cache.ring_copies(0, 0)[0][0].shape[0] == 2 and cache.ring_copies(2, 0)[0][0].shape[0] == 1
+    assert torch.equal(got, ref)  # one round per layer: the resident computation on the same bytes
+
+
+def test_auto_ring_in_decode_holds_two_layers_when_the_arena_affords_it(model3, tokens):
+    # room for 25 page pairs: 7 resident pages per layer and a ring of 4, whose halves hold two
+    # layers' streamed page (the ring of one layer's would be 2; prefill rings take no floor)
+    ref = verify_like(model3, paged(model3, "resident"), tokens)
+    cache = paged(model3, "stream", mib=small_arena_mib(model3, 3, 16), ring="auto")
+    got = verify_like(model3, cache, tokens)
+    S = cache.max_pages - cache.capacity
+    assert S == 1 and cache.ring_pages == 2 * 2 * S and cache.group == 2
+    assert torch.equal(got, ref)
 
 
 def test_f16_pages_match_the_contiguous_cache(model, tokens):
