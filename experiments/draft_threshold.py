@@ -19,6 +19,7 @@ sweep ends, ``Analyze`` gathers ``steps.csv`` and runs ``experiments.crossover``
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import platform
@@ -136,6 +137,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     if model.device.type == "cuda":  # Triton compiles per kernel variant (widths, rounds): never in a timed cell
         run_decode(replace(run_cfg, max_new_tokens=24), model, tok, prompt)
     print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep} ...", flush=True)
+    held = _held_before(model.device)
     r = run_decode(run_cfg, model, tok, prompt, progress=cfg.progress)
     g, c = r.generation, r.control
     steps = pd.DataFrame([s.row() for s in g.records]).assign(run_id=run_id)
@@ -159,6 +161,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "synthetic_acceptance": run_cfg.spec.synthetic_acceptance, "random_weights": is_skeleton(open_gguf(
             resolve_model(run_cfg.model.source))),
         "arena_mib": run_cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
+        "beyond_arena_mib": None if held is None else (torch.cuda.max_memory_reserved() - held - r.cache.arena.nbytes) / 2**20,
         "model": run_cfg.model.source, "model_sha256": sha,
         "draft_model": run_cfg.spec.draft.source if c else None, "device": run_cfg.hardware.device,
         "dtype": run_cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],
@@ -171,6 +174,19 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     pd.DataFrame([row]).to_csv(runs, mode="a", header=not runs.exists(), index=False)  # the row marks it done
     print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context}: {g.stats.line()}", flush=True)
     return row
+
+
+def _held_before(device: torch.device) -> int | None:
+    """CUDA: what torch holds before a cell's run (the weights; the warm-up's freed blocks are
+    given back first), the peak count restarted. The run's peak beyond this and its arena is
+    ``beyond_arena_mib``: the draft's compute buffers and captured graphs (outside the arena on
+    CUDA), new streams' cuBLAS workspaces, the logits handed to the sampler."""
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_reserved()
 
 
 def _arm_label(cfg: StudyConfig) -> str:
