@@ -9,6 +9,9 @@ layer, P being one page of every layer (a streaming step's host -> device bytes 
 from steps.csv); without the draft its bytes (``draft_mib``) hold that many more again. This holds
 for a fixed ring (``cache.ring_pages`` set: an automatic ring re-sizes with the arena) and compute
 slabs that do not change with the arena (they depend on the context, as the study measured them).
+Only decode layouts are checked (runs.csv records their capacities): a smaller arena may not
+hold the prefill phase beside the draft (its slab + ring + one chunk's pages); the run then
+stops at once with the numbers, and a smaller ``prefill_chunk`` (decode unchanged) lets it run.
 """
 
 from __future__ import annotations
@@ -92,6 +95,9 @@ def main(argv=None) -> None:
         print(f"arena {mib:g} MiB: pages per layer beside the draft {r['capacity_with_draft']}")
         print(f"  predicted crossover, {int(runs['new_tokens'].median())}-token decodes: {describe(r['predicted'])}")
         print(f"  predicted crossover, long decodes: {describe(r['predicted_steady'])}")
+    if min(args.arena_mib) < _one(runs, "arena_bytes") / MIB:
+        print("note: the prefill phase is not checked (runs.csv records decode capacities only); if a smaller arena "
+              "cannot prefill beside the draft, give the run a smaller prefill_chunk (decode is unchanged)")
 
 
 if __name__ == "__main__":
