@@ -15,8 +15,8 @@ not change between modes. Per forward pass of n new tokens at positions [L, L + 
    than on their bytes (``experiments/bench_copies.py``). One round: a single attention
    call over every page, exactly the resident-mode call. Several rounds: the kernel's
    partials per round, merged. Prefill chunks (n > 16) gather dequantized pages and use SDPA.
-   A decode step copies the *next* step's first round at its end, under its last layer and the
-   LM head (the plan rarely changes between steps; when it does, ``begin`` copies it again):
+   A decode step copies the *next* step's first round (of its first group) at its end, under
+   its last layer (group) and the LM head (the plan rarely changes between steps; when it does, ``begin`` copies it again):
    copy-bound steps then keep the copy engine busy from one step into the next.
 3. ``commit``: the written pages go back to the host store, which thus holds every committed
    row; ``truncate`` is a shorter length (stale rows are never read).
@@ -39,9 +39,10 @@ from .slab_pool import SlabPool
 from .telemetry import StepStats
 
 MODES = ("resident", "stream")
-# an automatic ring's half holds at least this much: on the H200 a host -> device copy costs
-# ~2.8 us besides its bytes (55 GB/s pinned), so one layer's few streamed pages per copy reach
-# only 36-80% of the pinned rate, several layers' together most of it (results/stream/copy_ways.csv)
+# an automatic ring's halves grow up to this much into bytes no resident page can use: on the
+# H200 a host -> device copy costs ~2.8 us besides its bytes (55 GB/s pinned), so one layer's
+# few streamed pages per copy reach only 36-80% of the pinned rate, several layers' together
+# most of it (results/stream/copy_ways.csv)
 RING_HALF_BYTES = 4 * 2**20
 
 
@@ -252,19 +253,18 @@ class PagedCache(CacheBase):
         """The smallest ring whose halves each hold every page a layer streams at full context,
         given the most resident pages per layer that then fit: one attention call per layer.
         The ring is shared by all layers, so it costs ring / n_layers resident pages per layer,
-        while every extra round costs launches and a merge. In decode, where a layer streams at
-        most half of ``RING_HALF_BYTES``, a half holds that much (at most half the layers'
-        pages), so layers share copies, when some layout affords it."""
+        while every extra round costs launches and a merge. Bytes left over that cannot hold
+        another resident page in every layer widen the halves, up to ``RING_HALF_BYTES`` (and
+        half the layers' streamed pages): layers streaming a few pages then share copies, at
+        no cost in resident pages."""
         pair = self.k_fmt.page_bytes + self.v_fmt.page_bytes
         total = (self.arena.top - extra_pinned_bytes - slab_bytes - 3 * ALIGN) // pair  # page pairs that fit at most
         P, L = self.max_pages, self.n_layers
-        floor = -(-RING_HALF_BYTES // pair) if self.phase == "decode" else 0
-        for f in dict.fromkeys((floor, 0)):  # with the floor if any layout affords it, else without
-            for c in range(P, 1, -1):  # most resident pages first
-                S = P - c
-                ring = 2 * max(1, min(f, -(-L // 2) * S) if 2 * S <= f else S)
-                if L * c + ring <= total:
-                    return ring
+        for c in range(P, 1, -1):  # most resident pages first
+            S = P - c
+            if L * c + 2 * max(1, S) <= total:
+                widest = max(1, S, min(-(-RING_HALF_BYTES // pair), -(-L // 2) * S))
+                return 2 * min(widest, (total - L * c) // 2)
         return 2  # too small for even 2 resident pages: lay_out reports the numbers
 
     def capacity_with(self, extra_pinned_bytes: int) -> int:
@@ -380,7 +380,7 @@ class PagedCache(CacheBase):
             self.copier.reset()  # after the last step's readers of half 0
             self._prefetch(0, 0)
             self.copier.wait(0)  # eager, before any captured step: the step itself never waits for it
-            self.stats.h2d_bytes += len(self.rounds[0][2]) * self.layout.pair
+            self.stats.h2d_bytes += len(self.rounds[0][2]) * self.group * self.layout.pair  # its first group
         self._primed = None  # known again once this step has run (commit): one failing midway leaves it unknown
         # the length as the kernels read it: a device scalar on CUDA (no per-layer fill)
         self.seq_len = self._len if self.ops.triton else self.length + n

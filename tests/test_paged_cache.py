@@ -13,7 +13,7 @@ from kvstream.cache_factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.generate import prefill
 from kvstream.model import load_model
-from kvstream.paged_cache import PagedCache, group_size
+from kvstream.paged_cache import PagedCache, copy_runs, group_size
 from tiny_gguf import TinySpec, write_tiny_model
 
 SPEC = TinySpec(arch="qwen2", hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, ffn=128, n_layers=2,
@@ -166,14 +166,45 @@ def test_layer_groups_share_copies_and_match_resident(model3, tokens):
     assert torch.equal(got, ref)  # one round per layer: the resident computation on the same bytes
 
 
-def test_auto_ring_in_decode_holds_two_layers_when_the_arena_affords_it(model3, tokens):
-    # room for 25 page pairs: 7 resident pages per layer and a ring of 4, whose halves hold two
-    # layers' streamed page (the ring of one layer's would be 2; prefill rings take no floor)
+def test_auto_ring_widens_into_bytes_no_resident_page_can_use(model3, tokens):
+    # room for 25 page pairs: 7 resident pages per layer (21) and one streamed page; the two
+    # pairs left over widen the ring from 2 to 4 slots, so two layers share each copy
     ref = verify_like(model3, paged(model3, "resident"), tokens)
     cache = paged(model3, "stream", mib=small_arena_mib(model3, 3, 16), ring="auto")
     got = verify_like(model3, cache, tokens)
     S = cache.max_pages - cache.capacity
     assert S == 1 and cache.ring_pages == 2 * 2 * S and cache.group == 2
+    assert torch.equal(got, ref)
+
+
+def test_auto_ring_never_costs_a_resident_page():
+    # 28 layers of 1.5B-sized pages, 16 per layer: for every arena from 84 to 460 page pairs,
+    # the automatic ring leaves the most resident pages per layer that a ring of two halves of
+    # one layer's streamed pages would, so capacity grows with the arena, never shrinks
+    k, v = PageFormat("q8_0", 2, 128), PageFormat("q4_0", 2, 128)
+    pair = k.page_bytes + v.page_bytes
+    cache = PagedCache(n_layers=28, n_kv_heads=2, head_dim=128, max_tokens=16 * PAGE_TOKENS, type_k="q8_0",
+                       type_v="q4_0", mode="stream", arena=Arena(460 * pair + 4 * ALIGN, torch.device("cpu")),
+                       ring_pages=None, slabs={"prefill": 0, "decode": 0})
+    cache.set_phase("decode")
+    caps = [cache.capacity_with((460 - n) * pair) for n in range(84, 461)]
+    best = [max(c for c in range(2, 17) if 28 * c + 2 * max(1, 16 - c) <= n) for n in range(84, 461)]
+    assert caps == best
+
+
+class _Gaps:
+    """Resident: the newest odd pages; the even ones stream, each its own copy run."""
+
+    def resident(self, n_pages, capacity):
+        return [p for p in range(n_pages) if p % 2][-capacity:]
+
+
+def test_layer_groups_with_a_copy_per_page_match_resident(model3, tokens):
+    ref = verify_like(model3, paged(model3, "resident"), tokens)
+    cache = paged(model3, "stream", mib=small_arena_mib(model3, 4, 16), ring=16)
+    cache.residency = _Gaps()
+    got = verify_like(model3, cache, tokens)
+    assert cache.group == 2 and len(copy_runs(cache.rounds[0][2])) > 1 and cache.stats.rounds == 1
     assert torch.equal(got, ref)
 
 
