@@ -135,6 +135,56 @@ def test_graphed_layer_groups_match_resident(tmp_path):
     assert torch.equal(eager, ref) and torch.equal(graphed, ref)
 
 
+def _slow_ring(monkeypatch, cycles: int = 200_000) -> None:
+    """Every ring copy starts, and every read of a ring half begins, ~0.1 ms late (a spin on
+    the copy or compute stream, captured with the step): a read that does not wait for its copy,
+    or a copy that does not wait for the last reader of its half, then sees or clobbers the
+    wrong pages instead of winning the race by luck."""
+    from kvstream.cudart import copy_rows
+    from kvstream.paged_cache import _Copier
+
+    def copy(self, dst, src, half):
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.free[half])
+            torch.cuda._sleep(cycles)
+            copy_rows(dst, src, self.stream)
+            self.ready[half].record(self.stream)
+
+    wait = _Copier.wait
+
+    def slow_wait(self, half=None):
+        wait(self, half)
+        torch.cuda._sleep(cycles)
+
+    monkeypatch.setattr(_Copier, "copy", copy)
+    monkeypatch.setattr(_Copier, "wait", slow_wait)
+
+
+@pytest.mark.parametrize("ring, pages", [(16, 6), (4, 6), (2, 6)])  # groups of 2 layers; 1; 2 rounds
+def test_slow_ring_copies_and_reads_still_match_resident(tmp_path, monkeypatch, ring, pages):
+    """Three layers (an odd count of layers x rounds where groups are 1), eager and graphed,
+    with every copy and every ring read delayed: the resident logits (merged rounds: fp32 sums
+    in another order, as in test_cuda_streaming_matches_resident)."""
+    import test_paged_cache as t
+    from kvstream.cuda_graph import GraphedModel
+
+    spec = TinySpec(**{**t.SPEC.__dict__, "n_layers": 3})
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", spec), torch.float32, "cuda")
+    toks = torch.randint(0, 357, (t.PROMPT + t.DECODE,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = t.run(m, t.paged(m, "resident"), toks)
+    _slow_ring(monkeypatch)
+    new = lambda: t.paged(m, "stream", mib=t.small_arena_mib(m, pages, ring), ring=ring)
+    cache = new()
+    eager = t.run(m, cache, toks)
+    graphed = t.run(GraphedModel(m), new(), toks)
+    assert cache.stats.streamed_pages > 0 and cache.group == {16: 2, 4: 1, 2: 1}[ring]
+    assert torch.equal(graphed, eager)
+    if cache.stats.rounds == 1:
+        assert torch.equal(eager, ref)
+    else:
+        assert (eager - ref).abs().max() <= 1e-3 * ref.abs().max()
+
+
 @pytest.mark.parametrize("eject", [False, True])
 def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     import test_draft as t
