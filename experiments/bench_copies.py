@@ -22,10 +22,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.bench_stream import pinned_ceiling
+from experiments.bench_stream import QWEN15, pinned_ceiling
+from kernels.formats import PageFormat
 from kvstream.cudart import copy_rows
 
-K_PAGE, V_PAGE, LAYERS = 69632, 36864, 28
+K_PAGE, V_PAGE = (PageFormat(t, QWEN15.n_kv_heads, QWEN15.head_dim).page_bytes for t in ("q8_0", "q4_0"))
+LAYERS = QWEN15.n_layers
+MODEL = "Qwen2.5-Coder-1.5B page sizes (28 layers, 2 KV heads x 128, q8_0 K / q4_0 V)"
 
 
 def issue(way: str, host: tuple, ring: tuple, S: int, streams: list) -> None:
@@ -89,7 +92,7 @@ def main() -> None:
                              ring_mib=2 * G * S * (K_PAGE + V_PAGE) / 2**20, pinned_ceiling_gbps=ceiling))
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    df = pd.DataFrame(rows).assign(gpu=torch.cuda.get_device_name(), commit=commit or "unknown",
+    df = pd.DataFrame(rows).assign(model=MODEL, gpu=torch.cuda.get_device_name(), commit=commit or "unknown",
                                    command=" ".join(["python"] + sys.argv))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

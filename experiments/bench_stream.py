@@ -29,6 +29,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from kernels.formats import PageFormat
 from kvstream.arena import MIB
 from kvstream.cache_factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
@@ -202,7 +203,7 @@ def main() -> None:
                 mib = "auto"
             else:  # prefill slab + ring + frac of every layer's pages (decode frees the slab's excess)
                 slab = slabs["prefill"]
-                pair = 69632 + 36864
+                pair = sum(PageFormat(t, QWEN15.n_kv_heads, QWEN15.head_dim).page_bytes for t in ("q8_0", "q4_0"))
                 per_layer = -(-max_tokens // 256)
                 pages = QWEN15.n_layers * int(frac * per_layer)
                 ring = 2 * (per_layer - int(frac * per_layer)) if args.ring == "auto" else int(args.ring)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-PAGE = 256  # tokens per KV page
+from kernels.formats import PAGE_TOKENS as PAGE
+
 STEP_COLUMNS = ("step_s", "draft_s", "streamed_pages", "verify_width", "pages_per_layer", "drafted", "accepted",
                 "draft_active")
 
