@@ -16,8 +16,9 @@ not change between modes. Per forward pass of n new tokens at positions [L, L + 
    call over every page, exactly the resident-mode call. Several rounds: the kernel's
    partials per round, merged. Prefill chunks (n > 16) gather dequantized pages and use SDPA.
    A decode step copies the *next* step's first round (of its first group) at its end, under
-   its last layer (group) and the LM head (the plan rarely changes between steps; when it does, ``begin`` copies it again):
-   copy-bound steps then keep the copy engine busy from one step into the next.
+   its last layer (group) and the LM head (the plan rarely changes between steps; when it does,
+   ``begin`` copies it again): copy-bound steps then keep the copy engine busy from one step
+   into the next.
 3. ``commit``: the written pages go back to the host store, which thus holds every committed
    row; ``truncate`` is a shorter length (stale rows are never read).
 """
