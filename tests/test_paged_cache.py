@@ -135,16 +135,20 @@ def verify_like(model, cache, tokens, widths=(3, 1, 5, 2, 1, 1, 4)):
     return torch.stack(out)
 
 
+@pytest.fixture(scope="module")
+def resident3(model3, tokens):
+    return verify_like(model3, paged(model3, "resident"), tokens)
+
+
 @pytest.mark.parametrize("ring, pages", [(8, 4), (2, 5), (4, 3)])  # 1, 3 and 3 rounds per layer
-def test_odd_layers_x_rounds_with_rollback_match_resident(model3, tokens, ring, pages):
-    ref = verify_like(model3, paged(model3, "resident"), tokens)
+def test_odd_layers_x_rounds_with_rollback_match_resident(model3, tokens, resident3, ring, pages):
     cache = paged(model3, "stream", mib=small_arena_mib(model3, pages, ring), ring=ring)
     got = verify_like(model3, cache, tokens)
     assert cache.stats.streamed_pages > 0 and len(cache.rounds) * 3 % 2 == 1
     if len(cache.rounds) == 1:  # one round: the resident computation on the same bytes
-        assert torch.equal(got, ref)
+        assert torch.equal(got, resident3)
     else:  # merged partials: only fp32 rounding of the softmax sums differs (as many_rounds above)
-        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+        assert (got - resident3).abs().max() <= 1e-4 * resident3.abs().max()
 
 
 @pytest.mark.parametrize("n_layers, fit, group", [(28, 100, 14), (28, 10, 7), (28, 4, 3), (28, 1, 1), (3, 2, 2),
@@ -155,26 +159,37 @@ def test_group_size_gives_an_even_number_of_groups_that_fit(n_layers, fit, group
     assert g == 1 or -(-n_layers // g) % 2 == 0  # halves alternate from step to step
 
 
-def test_layer_groups_share_copies_and_match_resident(model3, tokens):
-    # ring halves of 8 slots, 3 streamed pages per layer: layers 0-1 share one copy, layer 2 another
-    ref = verify_like(model3, paged(model3, "resident"), tokens)
-    cache = paged(model3, "stream", mib=small_arena_mib(model3, 5, 16), ring=16)
+class _Gaps:
+    """Resident: the newest odd pages; the even ones stream, each its own copy run."""
+
+    def resident(self, n_pages, capacity):
+        return [p for p in range(n_pages) if p % 2][-capacity:]
+
+
+@pytest.mark.parametrize("residency, pages", [(None, 5), (_Gaps(), 4)], ids=["newest", "gaps"])
+def test_layer_groups_share_copies_and_match_resident(model3, tokens, resident3, residency, pages):
+    # ring halves of 8 slots, 3 or 4 streamed pages per layer: layers 0-1 share each copy, layer 2
+    # has its own; the newest pages resident: one run, one K and one V copy per group; _Gaps: a
+    # copy per streamed page, still a row per layer of the group
+    cache = paged(model3, "stream", mib=small_arena_mib(model3, pages, 16), ring=16)
+    if residency is not None:
+        cache.residency = residency
     got = verify_like(model3, cache, tokens)
-    assert cache.group == 2 and cache.stats.streamed_pages == 3 and cache.stats.rounds == 1
-    assert [len(cache.ring_copies(layer, 0)) for layer in (0, 2)] == [2, 2]  # K and V, a row per layer
-    assert cache.ring_copies(0, 0)[0][0].shape[0] == 2 and cache.ring_copies(2, 0)[0][0].shape[0] == 1
-    assert torch.equal(got, ref)  # one round per layer: the resident computation on the same bytes
+    runs = len(copy_runs(cache.rounds[0][2]))
+    assert cache.group == 2 and cache.stats.rounds == 1 and runs == (1 if residency is None else 4)
+    assert [[dst.shape[0] for dst, _, _ in cache.ring_copies(layer, 0)] for layer in (0, 2)] == [[2] * 2 * runs,
+                                                                                                 [1] * 2 * runs]
+    assert torch.equal(got, resident3)  # one round per layer: the resident computation on the same bytes
 
 
-def test_auto_ring_widens_into_bytes_no_resident_page_can_use(model3, tokens):
+def test_auto_ring_widens_into_bytes_no_resident_page_can_use(model3, tokens, resident3):
     # room for 25 page pairs: 7 resident pages per layer (21) and one streamed page; the two
     # pairs left over widen the ring from 2 to 4 slots, so two layers share each copy
-    ref = verify_like(model3, paged(model3, "resident"), tokens)
     cache = paged(model3, "stream", mib=small_arena_mib(model3, 3, 16), ring="auto")
     got = verify_like(model3, cache, tokens)
     S = cache.max_pages - cache.capacity
     assert S == 1 and cache.ring_pages == 2 * 2 * S and cache.group == 2
-    assert torch.equal(got, ref)
+    assert torch.equal(got, resident3)
 
 
 def test_auto_ring_never_costs_a_resident_page():
@@ -190,22 +205,6 @@ def test_auto_ring_never_costs_a_resident_page():
     caps = [cache.capacity_with((460 - n) * pair) for n in range(84, 461)]
     best = [max(c for c in range(2, 17) if 28 * c + 2 * max(1, 16 - c) <= n) for n in range(84, 461)]
     assert caps == best
-
-
-class _Gaps:
-    """Resident: the newest odd pages; the even ones stream, each its own copy run."""
-
-    def resident(self, n_pages, capacity):
-        return [p for p in range(n_pages) if p % 2][-capacity:]
-
-
-def test_layer_groups_with_a_copy_per_page_match_resident(model3, tokens):
-    ref = verify_like(model3, paged(model3, "resident"), tokens)
-    cache = paged(model3, "stream", mib=small_arena_mib(model3, 4, 16), ring=16)
-    cache.residency = _Gaps()
-    got = verify_like(model3, cache, tokens)
-    assert cache.group == 2 and len(copy_runs(cache.rounds[0][2])) > 1 and cache.stats.rounds == 1
-    assert torch.equal(got, ref)
 
 
 def test_f16_pages_match_the_contiguous_cache(model, tokens):
