@@ -86,6 +86,7 @@ class PolicyConfig:
     settle: int = 8            # auto: decode batches in a state before it is compared
     margin: float = 0.03       # auto: relative goodput gain needed to switch state
     trust_onset: bool = True   # auto: keep the draft while nothing streams (false: compare goodputs there too)
+    horizon: bool = True       # auto: no transition the decode's remaining tokens cannot pay for (false: off)
     draft_length: str = "fixed"  # fixed (spec.n_max) | heuristic (+2 / -1) | goodput (policies/draft_length.py)
     chain_order: str = "fixed"   # fixed | by_goodput (policies/chain_order.py)
 

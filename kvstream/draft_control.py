@@ -30,6 +30,13 @@ class Transition:
     capacity_after: int
     seconds: float
     h2d_bytes: int  # host->device bytes: the target's resident pages; re-enabling, the draft's weights and KV too
+    # the first batches after it beyond the new state's measured rate (graph captures, the draft's
+    # catch-up); None until that rate is measured
+    after_s: float | None = None
+
+    @property
+    def cost_s(self) -> float | None:
+        return None if self.after_s is None else self.seconds + self.after_s
 
 
 class DraftControl:
@@ -47,6 +54,7 @@ class DraftControl:
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []
+        self._after: list[tuple[int, float]] = []  # (tokens, seconds) of the batches since the latest transition
 
     @property
     def active(self) -> bool:
@@ -71,14 +79,32 @@ class DraftControl:
     def capacity_without(self) -> int:
         return self._capacities()[1]
 
-    def snapshot(self, length: int | None = None) -> Snapshot:
+    def cost(self, action: str) -> float | None:
+        """Seconds the latest measured ``action`` ("eject" / "reenable") cost (None: none yet)."""
+        return next((t.cost_s for t in reversed(self.transitions) if t.action == action and t.cost_s is not None),
+                    None)
+
+    def snapshot(self, length: int | None = None, tokens_left: int | None = None) -> Snapshot:
         pages = -(-(self.cache.length if length is None else length) // PAGE_TOKENS)
         return Snapshot(pages, self.capacity_with, self.capacity_without, self.active, self.since,
-                        *self.measured[True], *self.measured[False])
+                        *self.measured[True], *self.measured[False], tokens_left, self.cost("eject"),
+                        self.cost("reenable"))
 
-    def after_step(self, step: int, new_tokens: int, step_s: float, length: int | None = None) -> Action:
+    def _measure_transition(self, new_tokens: int, step_s: float) -> None:
+        """Once the state entered by the latest transition has a measured rate, charge the
+        transition with what its first batches took beyond that rate."""
+        if not self.transitions or self.transitions[-1].after_s is not None:
+            return
+        self._after.append((new_tokens, step_s))
+        rate = self.measured[self.active][0]
+        if rate is not None and len(self._after) > GOODPUT_MIN:
+            self.transitions[-1].after_s = sum(max(0.0, s - n / rate) for n, s in self._after)
+
+    def after_step(self, step: int, new_tokens: int, step_s: float, length: int | None = None,
+                   tokens_left: int | None = None) -> Action:
         """Record one decode batch; apply the policy's decision. Returns it. ``length``: the
-        context after the batch, when the cache holds a next step queued ahead."""
+        context after the batch, when the cache holds a next step queued ahead; ``tokens_left``:
+        what the decode has still to generate (None: unbounded)."""
         length = self.cache.length if length is None else length
         pages = -(-length // PAGE_TOKENS)
         if (pages > self.capacity_with) != self.streaming:  # crossed the onset: earlier batches tell nothing
@@ -93,8 +119,9 @@ class DraftControl:
             # mean tokens per batch over the median batch time: one slow batch (the draft still
             # catching up after a re-enable: 30 ms among 8 ms rounds) must not flip the comparison
             self.measured[self.active] = (sum(t for t, _ in m) / len(m) / median(s for _, s in m), pages)
+        self._measure_transition(new_tokens, step_s)
         self.since += 1
-        snap = self.snapshot(length)
+        snap = self.snapshot(length, tokens_left)
         action = self.policy.decide(snap)
         if action is Action.STAY:
             return action
@@ -113,6 +140,7 @@ class DraftControl:
                                            time.perf_counter() - t0, moved))
         self.since = 0
         self.meter[self.active].clear()
+        self._after = []
         return action
 
     def transitions_rows(self) -> list[dict]:

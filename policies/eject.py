@@ -10,7 +10,8 @@ back to the resident-page pool; a *re-enable* pins them again. Families (DESIGN.
   sits ``margin`` pages below the eject threshold) and ``StableDecodes(policy, n)`` (no
   transition before n decode batches since the last one);
 - ``Auto``: no threshold; compares the goodput (tokens/s) measured online in each state and
-  probes the other state when its measurement is missing or stale.
+  probes the other state when its measurement is missing or stale, unless what is left of the
+  decode is too short to pay for the transitions (their costs as measured in this decode).
 
 Policies never read config; the entry point builds them (``build``).
 """
@@ -42,6 +43,12 @@ class Snapshot:
     goodput_with_pages: int | None = None
     goodput_without: float | None = None
     goodput_without_pages: int | None = None
+    # What is left of the decode (None: unbounded) and the seconds the latest eject / re-enable
+    # cost beyond their decode batches (re-layout, graph captures, the draft's catch-up; None:
+    # none measured yet).
+    tokens_left: int | None = None
+    eject_s: float | None = None
+    reenable_s: float | None = None
 
 
 def _toward(snap: Snapshot, want_draft: bool) -> Action:
@@ -133,15 +140,34 @@ class Auto:
     apart; a probe that finds the other state worse returns once and, its result now fresh, is
     not repeated until the context has moved ``probe_pages`` pages (or the current goodput has
     fallen ``margin`` below it); a context that stands still sees one probe at most.
+
+    With ``horizon``, a transition must be able to pay for itself within the decode: the time
+    left (``tokens_left`` at the current goodput) is compared with the measured transition
+    costs. A probe that finds the other state worse costs an eject and a re-enable, and skipping
+    it can lose at most the time left (minimax regret with no bound on the other state's
+    goodput), so a probe is skipped when the time left is below both costs. A switch to a state
+    measured better saves ``time left x (1 - current / other)`` and costs one transition. Costs
+    not yet measured count as zero: the first probe of a decode is always made.
     """
 
     probe_pages: int = 16
     settle: int = 8
     margin: float = 0.03
     trust_onset: bool = True
+    horizon: bool = True
 
     def _fresh(self, snap: Snapshot, pages: int | None) -> bool:
         return pages is not None and abs(snap.pages_per_layer - pages) <= self.probe_pages
+
+    def _pays(self, snap: Snapshot, cur: float, other: float | None) -> bool:
+        """Whether the decode left can pay for switching (``other`` None: a probe)."""
+        if not self.horizon or snap.tokens_left is None:
+            return True
+        left = snap.tokens_left / cur
+        there, back = (snap.eject_s, snap.reenable_s) if snap.draft_active else (snap.reenable_s, snap.eject_s)
+        if other is None:
+            return left >= (there or 0.0) + (back or 0.0)
+        return left * (1.0 - cur / other) >= (there or 0.0)
 
     def decide(self, snap: Snapshot) -> Action:
         if self.trust_onset and snap.pages_per_layer <= snap.capacity_with_draft:
@@ -153,26 +179,30 @@ class Auto:
         (cur, cur_pages), (other, other_pages) = (with_, without) if snap.draft_active else (without, with_)
         if cur is None or not self._fresh(snap, cur_pages):
             return Action.STAY  # no trustworthy number for where we are: nothing to compare
-        probe = other is None or not self._fresh(snap, other_pages)
-        if probe or other > cur * (1.0 + self.margin):
+        if other is None or not self._fresh(snap, other_pages):
+            switch, other = True, None  # probe
+        else:
+            switch = other > cur * (1.0 + self.margin)
+        if switch and self._pays(snap, cur, other):
             return _toward(snap, not snap.draft_active)
         return Action.STAY
 
 
 def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_decodes: int = 4,
-          probe_pages: int = 16, settle: int = 8, margin: float = 0.03, trust_onset: bool = True):
+          probe_pages: int = 16, settle: int = 8, margin: float = 0.03, trust_onset: bool = True,
+          horizon: bool = True):
     """An eject policy by config name, wrapped in the default hysteresis (margin pages below
     the threshold to re-enable, ``stable_decodes`` batches between transitions; 0 turns each
     off). Names: onset, keep_pages, never, always, auto.
 
-    ``auto`` takes ``probe_pages``, ``settle`` and ``margin`` and gets no ``ReenablePages``
+    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset`` and ``horizon`` and gets no ``ReenablePages``
     (it has no threshold; freshness and ``margin`` are its hysteresis). ``StableDecodes``
     wraps it as it wraps the others, so no transition comes sooner than ``stable_decodes``
     batches after the last one; with ``settle >= stable_decodes`` (the defaults) it binds only
     at the onset, since ``settle`` already spaces the transitions above it.
     """
     base = {"onset": Onset(), "keep_pages": KeepPages(keep_pages), "never": Never(), "always": Always(),
-            "auto": Auto(probe_pages, settle, margin, trust_onset)}
+            "auto": Auto(probe_pages, settle, margin, trust_onset, horizon)}
     if name not in base:
         raise ValueError(f"policy.eject={name!r}; choose one of {', '.join(base)}")
     if name == "keep_pages" and keep_pages < 1:

@@ -178,6 +178,28 @@ def test_goodput_shrugs_off_one_slow_batch(model, host):
     assert control.measured[True][0] == pytest.approx(5 / 0.008)
 
 
+def test_a_transition_is_charged_with_its_slow_first_batches(model, host):
+    """The horizon of ``auto`` needs what a transition costs: its re-layout plus what the first
+    batches after it take beyond the new state's measured rate (graph captures, catch-up)."""
+    policy = Scripted(at=2, back=99)
+    snaps = []
+    policy.decide = (lambda decide: lambda snap: snaps.append(snap) or decide(snap))(policy.decide)
+    control = DraftControl(new_draft(host), target_cache(model, arena_mib(model, host, 2)), policy)
+    for step, secs in enumerate([0.008, 0.008]):
+        control.after_step(step, 5, secs, tokens_left=100 - 5 * step)
+    eject, = control.transitions
+    assert snaps[-1].tokens_left == 95 and (snaps[-1].eject_s, snaps[-1].reenable_s) == (None, None)
+    # plain batches: a 30 ms capture, then 4 ms, then the 2 ms rate (the median of batches 1-4)
+    for step, secs in enumerate([0.030, 0.004, 0.002, 0.002], start=2):
+        control.after_step(step, 1, secs, tokens_left=90)
+        assert eject.after_s is None and control.cost("eject") is None  # the rate is not measured yet
+    control.after_step(6, 1, 0.002, tokens_left=89)
+    assert eject.after_s == pytest.approx(0.028 + 0.002) and eject.cost_s == eject.seconds + eject.after_s
+    assert (snaps[-1].tokens_left, snaps[-1].eject_s, snaps[-1].reenable_s) == (89, eject.cost_s, None)
+    control.after_step(7, 1, 0.5, tokens_left=88)  # a slow batch later on is not the transition's
+    assert control.cost("eject") == eject.cost_s and control.transitions_rows()[0]["after_s"] == eject.after_s
+
+
 @pytest.mark.parametrize("run_ahead", [False, True])
 def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain, run_ahead):
     # run_ahead (what CUDA runs): ejected rounds queue the next plain step before reading the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -84,11 +84,12 @@ def test_build_wraps_the_default_hysteresis_and_rejects_bad_names():
 # --- auto: goodput measured online -------------------------------------------------------------
 
 
-def auto_snap(pages, active, since=100, with_=None, without=None):
-    """A snapshot for Auto; ``with_`` / ``without`` are (goodput, pages when measured) or None."""
+def auto_snap(pages, active, since=100, with_=None, without=None, **horizon):
+    """A snapshot for Auto; ``with_`` / ``without`` are (goodput, pages when measured) or None;
+    ``horizon``: tokens_left, eject_s, reenable_s."""
     w, wp = with_ or (None, None)
     wo, wop = without or (None, None)
-    return Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, w, wp, wo, wop)
+    return Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, w, wp, wo, wop, **horizon)
 
 
 @pytest.mark.parametrize("snap, expected", [
@@ -112,6 +113,32 @@ def auto_snap(pages, active, since=100, with_=None, without=None):
 ])
 def test_auto_decisions(snap, expected):
     assert Auto().decide(snap) is expected
+
+
+@pytest.mark.parametrize("snap, expected", [
+    # a probe (the other state stale) from keep at 50 tok/s, transitions measured at 0.1 + 0.2 s:
+    # 20 tokens left are 0.4 s >= 0.3 s, probe; 10 tokens are 0.2 s, skipped
+    (auto_snap(60, True, with_=(50.0, 60), without=(10.0, 43), tokens_left=20, eject_s=0.1, reenable_s=0.2),
+     Action.EJECT),
+    (auto_snap(60, True, with_=(50.0, 60), without=(10.0, 43), tokens_left=10, eject_s=0.1, reenable_s=0.2),
+     Action.STAY),
+    # costs not measured yet count as zero: the first probe is made however little is left
+    (auto_snap(60, True, with_=(50.0, 60), tokens_left=1), Action.EJECT),
+    (auto_snap(60, True, with_=(50.0, 60), tokens_left=10, reenable_s=0.1), Action.EJECT),
+    (auto_snap(60, True, with_=(50.0, 60), tokens_left=10, reenable_s=0.3), Action.STAY),
+    (auto_snap(60, True, with_=(50.0, 60), tokens_left=10, eject_s=0.1, reenable_s=0.2), Action.STAY),
+    # no end in sight (tokens_left None): the horizon does not bind
+    (auto_snap(60, True, with_=(50.0, 60), eject_s=10.0, reenable_s=10.0), Action.EJECT),
+    # a switch to a state measured better by 25 %: 100 tokens at 40 tok/s are 2.5 s, saving
+    # 2.5 x (1 - 40/50) = 0.5 s; one re-enable of 0.4 s pays, one of 0.6 s does not
+    (auto_snap(60, False, with_=(50.0, 59), without=(40.0, 60), tokens_left=100, reenable_s=0.4), Action.REENABLE),
+    (auto_snap(60, False, with_=(50.0, 59), without=(40.0, 60), tokens_left=100, reenable_s=0.6), Action.STAY),
+    (auto_snap(60, False, with_=(50.0, 59), without=(40.0, 60), tokens_left=100, eject_s=9.0), Action.REENABLE),
+])
+def test_auto_horizon(snap, expected):
+    assert Auto().decide(snap) is expected
+    # without the horizon the decision is the one for an unbounded decode
+    assert Auto(horizon=False).decide(snap) is Auto().decide(replace(snap, tokens_left=None))
 
 
 # A synthetic engine for Auto. Goodput curves (tokens/s) over the context's pages per layer:
@@ -153,20 +180,28 @@ class Run:
         return out
 
 
-def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, noise=0.03, seed=0):
+def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, noise=0.03, seed=0, budget=None):
     """Play the engine: a snapshot per batch, carry out the action, run one decode batch in the
-    current state, update that state's measured goodput. The context grows by the tokens kept."""
+    current state, update that state's measured goodput. The context grows by the tokens kept.
+    With ``budget`` the decode ends after that many tokens, and the snapshots say how many are
+    left and what a transition cost once one was made (its seconds, warm-up batches aside)."""
     rng = random.Random(seed)
     generated, seconds, active, since = 0, 0.0, True, 0
     measured = {True: (None, None), False: (None, None)}  # state -> (goodput, pages when measured)
+    costs = {Action.EJECT: None, Action.REENABLE: None}
     stint, batches, transitions = [], [], []
-    while start + generated // page_tokens < end and len(batches) < max_batches:
+    while (start + generated // page_tokens < end and len(batches) < max_batches
+           and (budget is None or generated < budget)):
         pages = start + generated // page_tokens
-        action = policy.decide(Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, *measured[True], *measured[False]))
+        horizon = {} if budget is None else dict(tokens_left=budget - generated, eject_s=costs[Action.EJECT],
+                                                 reenable_s=costs[Action.REENABLE])
+        action = policy.decide(Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, *measured[True], *measured[False],
+                                        **horizon))
         if action is not Action.STAY:
             assert active == (action is Action.EJECT), f"{action} while draft_active={active}"
             active, since, stint = not active, 0, []
-            seconds += REENABLE_S if active else EJECT_S
+            costs[action] = REENABLE_S if active else EJECT_S
+            seconds += costs[action]
             transitions.append((pages, action))
         n = KEEP_TOKENS if active else 1
         dt = n / (keep_goodput if active else eject_goodput)(pages) * rng.uniform(1 - noise, 1 + noise)
@@ -219,10 +254,25 @@ def test_auto_does_not_flip_flop_on_a_standing_context(pages, transitions):
     assert [a.value for _, a in run.transitions] == transitions
 
 
+def test_auto_horizon_skips_transitions_the_decode_cannot_pay_for():
+    """Below the crossover, decodes that end soon after the plain-decoding measurement went
+    stale (at 119 pages, ~304 tokens in). Without the horizon auto probes again however few
+    tokens are left; with it, it skips a probe it cannot pay for (6-8 tokens left against ~0.06
+    s of transitions) and, later, a return to the draft that would not pay back in time. It is
+    never slower and never makes more transitions."""
+    for budget in range(300, 330, 2):
+        off, on = (simulate(build("auto", horizon=h), start=100, budget=budget) for h in (False, True))
+        assert len(on.transitions) <= len(off.transitions) and on.tokens_per_s >= off.tokens_per_s, budget
+    off, on = (simulate(build("auto", horizon=h), start=100, budget=308) for h in (False, True))
+    assert [a.value for _, a in off.transitions] == ["eject", "reenable", "eject"]
+    assert [a.value for _, a in on.transitions] == ["eject", "reenable"]
+
+
 def test_build_auto():
     p = build("auto")
     assert isinstance(p, StableDecodes) and p.n == 4 and p.inner == Auto(probe_pages=16, settle=8, margin=0.03)
     assert build("auto", stable_decodes=0, probe_pages=8, settle=4, margin=0.1) == Auto(8, 4, 0.1)
+    assert build("auto", horizon=False).inner.horizon is False and p.inner.horizon is True
     for bad in ({"probe_pages": 0}, {"settle": 0}, {"margin": -0.1}):
         with pytest.raises(ValueError, match="auto needs probe_pages >= 1, settle >= 1 and margin >= 0"):
             build("auto", **bad)
