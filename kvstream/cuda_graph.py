@@ -16,6 +16,7 @@ logits are bit-identical: tested on the H200 (tests/test_cuda.py) up to 1K token
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -35,6 +36,7 @@ class GraphedModel:
         # warm-ups and captures run on one side stream, so a slab's segments serve both
         self.stream = torch.cuda.Stream(model.device)
         self.plan = None
+        self._cache = lambda: None  # a weak reference to the cache the graphs were captured with
         self.captures = 0
 
     def __getattr__(self, name):  # cfg, device, dtype, ...: the model's
@@ -48,12 +50,14 @@ class GraphedModel:
             # caches without static buffers
             return self.model(tokens, cache, all_logits)
         pos = cache.begin(n)
-        plan = (id(cache), cache.plan_key())
-        if plan != self.plan:  # a new plan: the old graphs will not replay again
+        plan = cache.plan_key()
+        # a new plan or another cache (not by id(): a new cache may reuse a freed one's id, and
+        # replaying graphs captured on freed buffers is an illegal access): the old graphs are done
+        if plan != self.plan or self._cache() is not cache:
             if self.graphs:  # freeing every graph of a pool frees the pool: captures need a new one
                 self.graphs.clear()
                 self.pool = torch.cuda.graph_pool_handle()
-            self.plan = plan
+            self.plan, self._cache = plan, weakref.ref(cache)
         key = (n, all_logits)
         self.tokens[:n].copy_(tokens)
         if key not in self.graphs:

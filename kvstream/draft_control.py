@@ -12,13 +12,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from statistics import median
 
 from kernels.formats import PAGE_TOKENS
 from policies.eject import Action, Snapshot
 
-GOODPUT_WINDOW = 16  # decode batches a goodput measurement looks at
-GOODPUT_MIN = 4      # batches in a state before its goodput counts as measured
+GOODPUT_MIN = 4  # steady batches in a state before its goodput counts as measured
+CHARGED = 2      # batches after a transition charged to it (graph captures, the draft's catch-up), not to the state
 
 
 @dataclass
@@ -39,6 +38,33 @@ class Transition:
         return None if self.after_s is None else self.seconds + self.after_s
 
 
+class _Meter:
+    """Goodput over the latest batches that hold at least a page of tokens: tokens / seconds, so
+    that costs paid once per page (graphs re-captured when a streaming plan's copies change, a
+    page written back) count as they do in a long decode."""
+
+    def __init__(self):
+        self.batches: deque[tuple[int, float]] = deque()
+        self.tokens, self.seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.batches.append((tokens, seconds))
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        while self.tokens - self.batches[0][0] >= PAGE_TOKENS:
+            n, s = self.batches.popleft()
+            self.tokens, self.seconds = self.tokens - n, self.seconds - s
+
+    def clear(self) -> None:
+        self.__init__()
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
 class DraftControl:
     """Pins ``draft`` into ``cache``'s arena and applies ``policy`` after each decode batch."""
 
@@ -51,7 +77,7 @@ class DraftControl:
         self._caps = None  # (layout, (with, without)): see _capacities
         self.since = 1 << 30  # no transition yet: hysteresis must not hold off the first one
         self.streaming = False  # the working set exceeds the draft-active capacity
-        self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
+        self.meter = {True: _Meter(), False: _Meter()}
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []
         self._after: list[tuple[int, float]] = []  # (tokens, seconds) of the batches since the latest transition
@@ -90,14 +116,11 @@ class DraftControl:
                         *self.measured[True], *self.measured[False], tokens_left, self.cost("eject"),
                         self.cost("reenable"))
 
-    def _measure_transition(self, new_tokens: int, step_s: float) -> None:
+    def _charge_transition(self) -> None:
         """Once the state entered by the latest transition has a measured rate, charge the
-        transition with what its first batches took beyond that rate."""
-        if not self.transitions or self.transitions[-1].after_s is not None:
-            return
-        self._after.append((new_tokens, step_s))
+        transition with what its first ``CHARGED`` batches took beyond that rate."""
         rate = self.measured[self.active][0]
-        if rate is not None and len(self._after) > GOODPUT_MIN:
+        if self.transitions and self.transitions[-1].after_s is None:
             self.transitions[-1].after_s = sum(max(0.0, s - n / rate) for n, s in self._after)
 
     def after_step(self, step: int, new_tokens: int, step_s: float, length: int | None = None,
@@ -113,13 +136,13 @@ class DraftControl:
                 self.meter[state].clear()
                 self.measured[state] = (None, None)
         m = self.meter[self.active]
-        if self.since > 0:  # the first batch after a transition carries the draft's catch-up: not steady state
-            m.append((new_tokens, step_s))
+        if self.since >= CHARGED:
+            m.add(new_tokens, step_s)
+        else:
+            self._after.append((new_tokens, step_s))
         if len(m) >= GOODPUT_MIN:
-            # mean tokens per batch over the median batch time: one slow batch (the draft still
-            # catching up after a re-enable: 30 ms among 8 ms rounds) must not flip the comparison
-            self.measured[self.active] = (sum(t for t, _ in m) / len(m) / median(s for _, s in m), pages)
-        self._measure_transition(new_tokens, step_s)
+            self.measured[self.active] = (m.rate, pages)
+            self._charge_transition()
         self.since += 1
         snap = self.snapshot(length, tokens_left)
         action = self.policy.decide(snap)

@@ -37,8 +37,9 @@ class Snapshot:
     capacity_without_draft: int   # ... and without it
     draft_active: bool
     decodes_since_transition: int
-    # Goodput (tokens/s) over the recent decode batches of the latest stint in each state, and
-    # the pages per layer when that measurement was last updated (None: never measured).
+    # Goodput (tokens/s) over the latest page of tokens of the latest stint in each state (the
+    # batches right after a transition are the transition's), and the pages per layer when that
+    # measurement was last updated (None: never measured).
     goodput_with: float | None = None
     goodput_with_pages: int | None = None
     goodput_without: float | None = None

@@ -13,7 +13,7 @@ import torch
 from kvstream.arena import ALIGN, MIB, Arena
 from kvstream.cache_factory import make_cache, reserve_slab
 from kvstream.config import ArenaConfig, CacheConfig
-from kvstream.draft_control import DraftControl
+from kvstream.draft_control import DraftControl, Transition
 from kvstream.generate import generate
 from kvstream.model import load_model
 from kvstream.sampling import Sampler, SamplingParams
@@ -168,14 +168,24 @@ def test_eject_gives_the_draft_bytes_to_the_page_pool_and_reenable_takes_them_ba
     assert control.capacity_without == min(layout0.pool_pages // SPEC.n_layers, cache.max_pages)
 
 
-def test_goodput_shrugs_off_one_slow_batch(model, host):
-    control = DraftControl(new_draft(host), target_cache(model, arena_mib(model, host, 2)), Never())
-    # rounds of 5 tokens in 8 ms, one of them still carrying a re-enable's catch-up (32 ms): as
-    # sum(tokens) / sum(seconds) that reads 437 tok/s, below a plain rate of ~500, and auto
-    # would eject a draft that pays (seen on the H200)
-    for step, secs in enumerate([0.032] + [0.008] * 6):
+def test_goodput_counts_once_per_page_costs_but_not_a_transition(model, host):
+    """Goodput is tokens / seconds over the latest page of tokens, so a cost paid once per page
+    (a streaming plan re-captures its graphs: 85 ms every ~51 rounds of 11 ms on the H200) counts
+    as in a long decode; a median would drop it and favour the state that pays it. The batches
+    right after a transition are the transition's (a re-enable's captures and catch-up)."""
+    control = DraftControl(new_draft(host), target_cache(model, arena_mib(model, host, 2)), Scripted(at=-1, back=-1))
+    rounds = ([0.011] * 50 + [0.085]) * 3 + [0.011] * 20  # 5 tokens each: a page boundary every ~51 rounds
+    for step, secs in enumerate(rounds):
         control.after_step(step, 5, secs)
-    assert control.measured[True][0] == pytest.approx(5 / 0.008)
+    window = rounds[-52:]  # the fewest latest rounds that hold 256 tokens: one boundary among them
+    assert window.count(0.085) == 1 and control.measured[True][0] == pytest.approx(5 * len(window) / sum(window))
+    assert control.measured[True][0] < 0.9 * 5 / 0.011
+    control.draft.enabled = False  # as after an eject (nothing re-laid: only the meter is tested)
+    control.since, control._after = 0, []
+    control.transitions.append(Transition(0, "eject", 3, 2, 3, 0.01, 0))
+    for step, secs in enumerate([0.040, 0.004] + [0.002] * 4):
+        control.after_step(step, 1, secs)
+    assert control.measured[False][0] == pytest.approx(500) and control.transitions[-1].after_s == pytest.approx(0.040)
 
 
 def test_a_transition_is_charged_with_its_slow_first_batches(model, host):
@@ -189,14 +199,14 @@ def test_a_transition_is_charged_with_its_slow_first_batches(model, host):
         control.after_step(step, 5, secs, tokens_left=100 - 5 * step)
     eject, = control.transitions
     assert snaps[-1].tokens_left == 95 and (snaps[-1].eject_s, snaps[-1].reenable_s) == (None, None)
-    # plain batches: a 30 ms capture, then 4 ms, then the 2 ms rate (the median of batches 1-4)
-    for step, secs in enumerate([0.030, 0.004, 0.002, 0.002], start=2):
+    # plain batches: a 30 ms capture and a 4 ms batch (the transition's), then the 2 ms rate
+    for step, secs in enumerate([0.030, 0.004, 0.002, 0.002, 0.002], start=2):
         control.after_step(step, 1, secs, tokens_left=90)
         assert eject.after_s is None and control.cost("eject") is None  # the rate is not measured yet
-    control.after_step(6, 1, 0.002, tokens_left=89)
+    control.after_step(7, 1, 0.002, tokens_left=89)
     assert eject.after_s == pytest.approx(0.028 + 0.002) and eject.cost_s == eject.seconds + eject.after_s
     assert (snaps[-1].tokens_left, snaps[-1].eject_s, snaps[-1].reenable_s) == (89, eject.cost_s, None)
-    control.after_step(7, 1, 0.5, tokens_left=88)  # a slow batch later on is not the transition's
+    control.after_step(8, 1, 0.5, tokens_left=88)  # a slow batch later on is not the transition's
     assert control.cost("eject") == eject.cost_s and control.transitions_rows()[0]["after_s"] == eject.after_s
 
 
