@@ -36,7 +36,9 @@ class CostModel:
     (``round_*``, interpolated in context, flat outside: a real draft's acceptance and time change
     with the text and its KV window). ``acceptance`` (per token) is reported beside. An eject costs ``eject_s`` once: the arena's re-layout
     (``eject_seconds``) and the extra time of the steps after it that still pay for it
-    (``eject_cost``: graphs re-captured). rms_residual_s: over design-point medians."""
+    (``eject_cost``: graphs re-captured). A state that streams pays ``page_s`` once per page of
+    tokens (``page_cost``: its CUDA graphs are re-captured when the copies change).
+    rms_residual_s: over design-point medians."""
     a: float
     b: float
     c: float
@@ -54,6 +56,7 @@ class CostModel:
     round_drafted: tuple = ()
     round_draft_s: tuple = ()
     round_tokens: tuple = ()
+    page_s: float = 0.0
 
     def rounds(self, pages):
         """(drafted, draft seconds, kept tokens) per round at ``pages`` pages per layer."""
@@ -69,10 +72,11 @@ class CostModel:
 
     def tok_s(self, pages, streamed_pages, draft: bool):
         """Predicted decode tokens/s with or without the draft (numpy arrays broadcast)."""
+        per_page = np.where(np.asarray(streamed_pages, float) > 0, self.page_s / PAGE, 0.0)
         if not draft:
-            return 1.0 / self.target_s(pages, streamed_pages, 1)
+            return 1.0 / (self.target_s(pages, streamed_pages, 1) + per_page)
         drafted, draft_s, tokens = self.rounds(pages)
-        return tokens / (self.target_s(pages, streamed_pages, 1 + drafted) + draft_s)
+        return 1.0 / ((self.target_s(pages, streamed_pages, 1 + drafted) + draft_s) / tokens + per_page)
 
 
 def acceptance_per_token(drafting: pd.DataFrame) -> float:
@@ -119,6 +123,21 @@ def eject_cost(steps: pd.DataFrame) -> float:
                 j += 1
             costs.append(float((run["step_s"].iloc[i:j] - plain.median()).sum()))
     return float(np.median(costs)) if costs else 0.0
+
+
+def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
+    """Median extra target time of the steps that open a page while pages stream (the plan's
+    copies change, so its CUDA graphs are re-captured: ~0.1 s on the H200, against ~0.5 s of
+    drafting rounds per page), over the median step of the same run and design point; steps that
+    still pay a transition (``paying``) left out. 0 when no such step, or the steps do not say."""
+    if not {"run_id", "context"} <= set(steps.columns):
+        return 0.0
+    s = steps.assign(target_s=steps["step_s"] - steps["draft_s"] * steps["draft_active"].astype(bool))
+    point = [s["run_id"], s["streamed_pages"], s["verify_width"], s["pages_per_layer"]]
+    extra = s["target_s"] - s.groupby(point)["target_s"].transform("median")
+    opens = s["pages_per_layer"] > s.groupby("run_id")["pages_per_layer"].shift()
+    picked = extra[opens & (s["streamed_pages"] > 0) & ~paying]
+    return float(picked.median()) if len(picked) else 0.0
 
 
 def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:
@@ -208,7 +227,8 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
     own re-layout time to ``eject_s``."""
     require(steps, STEP_COLUMNS, "steps.csv")
     s = steps[list(STEP_COLUMNS)].astype(float).dropna()
-    s = s[~after_transition(steps).loc[s.index]]
+    paying = after_transition(steps)
+    s = s[~paying.loc[s.index]]
     # a round with the draft ejected runs the host a step ahead: its draft_s (the chain's bookkeeping)
     # overlaps the device's step instead of preceding it, so its whole wall time is the target's
     s = s.assign(target_s=s["step_s"] - s["draft_s"] * s["draft_active"].astype(bool))
@@ -233,4 +253,4 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
                      tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
                      rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
                      eject_s=eject_cost(steps) + (0.0 if runs is None else eject_seconds(runs)),
-                     e=copy_line[0], f=copy_line[1], **per)
+                     e=copy_line[0], f=copy_line[1], page_s=page_cost(steps, paying), **per)

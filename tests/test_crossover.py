@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 
 from experiments.cost_model import (CostModel, acceptance_per_token, after_transition, eject_cost, eject_seconds,
-                                    fit_cost_model)
+                                    fit_cost_model, page_cost)
 from experiments.crossover import (PAGE, analyze, best_threshold, capacity_curve, crossover, decode_table,
                                    eject_threshold, main, predicted_crossover)
 from experiments.plot_draft_thresholds import plot, title
@@ -255,6 +255,32 @@ def test_eject_cost_and_a_decode_that_pays_it():
     above = steady.pages_per_layer > CAP_WITH
     assert np.allclose(short.eject_tok_s[above], 64 / (64 / steady.eject_tok_s[above] + 0.04))
     assert p["pages_per_layer"] > analytic_crossover_pages(TRUE)  # paying the eject, ejecting wins later
+
+
+def test_a_page_opened_while_streaming_costs_once_per_page():
+    """A streaming plan re-captures its CUDA graphs when a page opens: here the first of each
+    page's 10 steps takes 0.1 s more where pages stream, nothing more where none do (that plan
+    keeps its graphs). page_cost recovers it from the steps; tok_s charges it once per page of
+    tokens where pages stream, and the crossover comes sooner (only keep streams there)."""
+    rows = []
+    for run, cap, drafted in (("keep", CAP_WITH, 4), ("plain", CAP_WITHOUT, 0)):
+        for p in range(CAP_WITH - 4, CAP_WITH + 12):
+            streamed = max(0, p - cap)
+            for i in range(10):
+                step_s = TRUE.target_s(p, streamed, 1 + drafted) + drafted * DRAFT_S + (0.1 if streamed and not i else 0)
+                rows.append(dict(run_id=run, context=p * PAGE + i, pages_per_layer=p, streamed_pages=streamed,
+                                 verify_width=1 + drafted, draft_s=drafted * DRAFT_S, draft_active=drafted > 0,
+                                 step_s=step_s))
+    steps = pd.DataFrame(rows)
+    assert page_cost(steps, pd.Series(False, index=steps.index)) == pytest.approx(0.1)
+    assert page_cost(steps[steps.streamed_pages == 0], pd.Series(False, index=steps.index)) == 0.0
+    assert page_cost(steps, pd.Series(True, index=steps.index)) == 0.0  # every step still paying a transition
+    m, p = replace(TRUE, page_s=0.1), CAP_WITH + 5
+    assert m.tok_s(p, 5, False) == pytest.approx(1 / (TRUE.target_s(p, 5, 1) + 0.1 / PAGE))
+    assert m.tok_s(p, 0, False) == TRUE.tok_s(p, 0, False)
+    assert 1 / m.tok_s(p, 5, True) == pytest.approx(1 / TRUE.tok_s(p, 5, True) + 0.1 / PAGE)
+    ctx = np.arange(PAGE, 80 * PAGE, PAGE)
+    assert predicted_crossover(m, CAP_WITH, CAP_WITHOUT, ctx)[1]["pages_per_layer"] < analytic_crossover_pages(TRUE)
 
 
 def test_steps_that_still_pay_for_a_transition_are_marked():
