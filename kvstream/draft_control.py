@@ -5,6 +5,14 @@ state, builds the policy's ``Snapshot`` and, on EJECT, gives the draft's pinned 
 draft KV and its compute slab) back to the target's page pool; on REENABLE it pins them again
 from the host copy. Both re-lay the target's arena (``PagedCache.rearrange``): the pool grows or
 shrinks by the draft's bytes and resident pages are re-uploaded from the host store.
+
+Goodput per state is measured as steady rounds plus a cost per page. The steady part is the mean
+tokens per batch over the median batch time of the state's latest batches, so a lone slow batch
+(a verify width captured late) does not count. The batches right after a transition are charged
+to the transition instead. The per-page part is paid by a state that streams pages: a streaming
+plan re-captures its CUDA graphs when a page opens. It is measured on the batches that open a
+page and applied to whichever state streams. A probe is too short to meet a page boundary, and
+a long stint meets one per page: measured over a window, the two states would not compare alike.
 """
 
 from __future__ import annotations
@@ -12,12 +20,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from statistics import median
 
 from kernels.formats import PAGE_TOKENS
 from policies.eject import Action, Snapshot
 
-GOODPUT_MIN = 4  # steady batches in a state before its goodput counts as measured
-CHARGED = 2      # batches after a transition charged to it (graph captures, the draft's catch-up), not to the state
+GOODPUT_WINDOW = 16  # decode batches a state's steady rate looks at
+GOODPUT_MIN = 4      # steady batches in a state before its goodput counts as measured
+CHARGED = 2          # batches after a transition charged to it (graph captures, the draft's catch-up), not to the state
+PAGE_SAMPLES = 8     # page-opening costs the per-page cost is the median of
 
 
 @dataclass
@@ -29,40 +40,13 @@ class Transition:
     capacity_after: int
     seconds: float
     h2d_bytes: int  # host->device bytes: the target's resident pages; re-enabling, the draft's weights and KV too
-    # the first batches after it beyond the new state's measured rate (graph captures, the draft's
-    # catch-up); None until that rate is measured
+    # what the first CHARGED batches after it took beyond the new state's steady rate (graph
+    # captures, the draft's catch-up); None until that rate is measured
     after_s: float | None = None
 
     @property
     def cost_s(self) -> float | None:
         return None if self.after_s is None else self.seconds + self.after_s
-
-
-class _Meter:
-    """Goodput over the latest batches that hold at least a page of tokens: tokens / seconds, so
-    that costs paid once per page (graphs re-captured when a streaming plan's copies change, a
-    page written back) count as they do in a long decode."""
-
-    def __init__(self):
-        self.batches: deque[tuple[int, float]] = deque()
-        self.tokens, self.seconds = 0, 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        self.batches.append((tokens, seconds))
-        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
-        while self.tokens - self.batches[0][0] >= PAGE_TOKENS:
-            n, s = self.batches.popleft()
-            self.tokens, self.seconds = self.tokens - n, self.seconds - s
-
-    def clear(self) -> None:
-        self.__init__()
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds
 
 
 class DraftControl:
@@ -77,7 +61,9 @@ class DraftControl:
         self._caps = None  # (layout, (with, without)): see _capacities
         self.since = 1 << 30  # no transition yet: hysteresis must not hold off the first one
         self.streaming = False  # the working set exceeds the draft-active capacity
-        self.meter = {True: _Meter(), False: _Meter()}
+        self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
+        self.page_costs: deque[float] = deque(maxlen=PAGE_SAMPLES)  # seconds a page opening took beyond the steady rate
+        self._pages: int | None = None  # pages per layer after the previous batch
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []
         self._after: list[tuple[int, float]] = []  # (tokens, seconds) of the batches since the latest transition
@@ -110,18 +96,50 @@ class DraftControl:
         return next((t.cost_s for t in reversed(self.transitions) if t.action == action and t.cost_s is not None),
                     None)
 
+    @property
+    def page_s(self) -> float:
+        """Seconds a streaming state pays once per page (median of the latest page openings)."""
+        return median(self.page_costs) if self.page_costs else 0.0
+
+    def goodput(self, state: bool, pages: int) -> tuple[float | None, int | None]:
+        """(tokens/s, pages when measured) of ``state`` at ``pages`` pages per layer: its steady
+        rate, plus ``page_s`` per page of tokens where that state streams."""
+        rate, at = self.measured[state]
+        if rate is None or pages <= (self.capacity_with if state else self.capacity_without):
+            return rate, at
+        return 1.0 / (1.0 / rate + self.page_s / PAGE_TOKENS), at
+
     def snapshot(self, length: int | None = None, tokens_left: int | None = None) -> Snapshot:
         pages = -(-(self.cache.length if length is None else length) // PAGE_TOKENS)
         return Snapshot(pages, self.capacity_with, self.capacity_without, self.active, self.since,
-                        *self.measured[True], *self.measured[False], tokens_left, self.cost("eject"),
+                        *self.goodput(True, pages), *self.goodput(False, pages), tokens_left, self.cost("eject"),
                         self.cost("reenable"))
 
-    def _charge_transition(self) -> None:
-        """Once the state entered by the latest transition has a measured rate, charge the
-        transition with what its first ``CHARGED`` batches took beyond that rate."""
-        rate = self.measured[self.active][0]
-        if self.transitions and self.transitions[-1].after_s is None:
-            self.transitions[-1].after_s = sum(max(0.0, s - n / rate) for n, s in self._after)
+    def _steady(self, state: bool) -> tuple[float, float] | None:
+        """(median batch seconds, mean tokens per batch) of ``state``'s latest batches."""
+        m = self.meter[state]
+        if len(m) < GOODPUT_MIN or median(s for _, s in m) <= 0:
+            return None
+        return median(s for _, s in m), sum(n for n, _ in m) / len(m)
+
+    def _record(self, new_tokens: int, step_s: float, pages: int) -> None:
+        """One batch into the current state's measurements, or into the latest transition's."""
+        opens, self._pages = self._pages is not None and pages > self._pages, pages
+        if self.since < CHARGED:
+            self._after.append((new_tokens, step_s))
+            return
+        state = self.active
+        steady = self._steady(state)
+        if opens and steady and pages > (self.capacity_with if state else self.capacity_without):
+            self.page_costs.append(step_s - steady[0])  # beyond the median batch
+        self.meter[state].append((new_tokens, step_s))
+        steady = self._steady(state)
+        if steady is None:
+            return
+        rate = steady[1] / steady[0]
+        self.measured[state] = (rate, pages)
+        if self.transitions and self.transitions[-1].after_s is None:  # the transition into this state
+            self.transitions[-1].after_s = max(0.0, sum(s - n / rate for n, s in self._after))
 
     def after_step(self, step: int, new_tokens: int, step_s: float, length: int | None = None,
                    tokens_left: int | None = None) -> Action:
@@ -135,15 +153,11 @@ class DraftControl:
             for state in (True, False):
                 self.meter[state].clear()
                 self.measured[state] = (None, None)
-        m = self.meter[self.active]
-        if self.since >= CHARGED:
-            m.add(new_tokens, step_s)
-        else:
-            self._after.append((new_tokens, step_s))
-        if len(m) >= GOODPUT_MIN:
-            self.measured[self.active] = (m.rate, pages)
-            self._charge_transition()
+            self._after = []
+        self._record(new_tokens, step_s, pages)
         self.since += 1
+        if tokens_left == 0:  # the decode is over: a transition now would only cost
+            return Action.STAY
         snap = self.snapshot(length, tokens_left)
         action = self.policy.decide(snap)
         if action is Action.STAY:

@@ -14,7 +14,7 @@ from policies import chain_order, draft_length, eject
 from .cache_factory import make_cache
 from .config import GenerateConfig, PolicyConfig
 from .cuda_graph import GraphedModel
-from .draft_control import DraftControl
+from .draft_control import CHARGED, GOODPUT_MIN, DraftControl
 from .generate import Generation, generate
 from .registry import resolve_model
 from .sampling import Sampler
@@ -46,6 +46,11 @@ class RunResult:
 
 
 def eject_policy(p: PolicyConfig):
+    """The eject policy ``p`` names; ``auto`` must not decide before a stint is measured."""
+    if p.eject == "auto" and p.settle < CHARGED + GOODPUT_MIN:
+        raise ValueError(f"policy.settle={p.settle}: auto needs at least {CHARGED + GOODPUT_MIN} batches in a "
+                         f"state before comparing ({CHARGED} charged to the transition into it, {GOODPUT_MIN} "
+                         f"to measure its rate)")
     return eject.build(p.eject, keep_pages=p.keep_pages, reenable_margin=p.reenable_margin,
                        stable_decodes=p.stable_decodes, probe_pages=p.probe_pages, settle=p.settle, margin=p.margin,
                        trust_onset=p.trust_onset, horizon=p.horizon)

@@ -37,9 +37,9 @@ class Snapshot:
     capacity_without_draft: int   # ... and without it
     draft_active: bool
     decodes_since_transition: int
-    # Goodput (tokens/s) over the latest page of tokens of the latest stint in each state (the
-    # batches right after a transition are the transition's), and the pages per layer when that
-    # measurement was last updated (None: never measured).
+    # Goodput (tokens/s) of each state as last measured (its steady rounds, plus a page
+    # opening's cost once per page where it streams; the batches right after a transition are the
+    # transition's), and the pages per layer when that was last updated (None: never measured).
     goodput_with: float | None = None
     goodput_with_pages: int | None = None
     goodput_without: float | None = None
@@ -134,10 +134,9 @@ class Auto:
     pay even when nothing streams, e.g. launch-bound eager draft steps). Above, compare the
     measured goodputs. A measurement is *fresh* when taken within ``probe_pages``
     pages of the current working set. Nothing is decided in the first ``settle`` batches of a
-    stint (until then the current state's measurement still holds the previous stint or the
-    transition). After that: if the other state's measurement is missing or stale, switch to
-    probe it; if both are fresh, switch only when the other beats the current one by more than
-    ``margin`` (relative). So above the onset transitions are at least ``settle`` batches
+    stint (until then the current state's measurement is the previous stint's). After that: if
+    the other state's measurement is missing or stale, switch to probe it; if both are fresh,
+    switch only when the other beats the current one by more than ``margin`` (relative). So above the onset transitions are at least ``settle`` batches
     apart; a probe that finds the other state worse returns once and, its result now fresh, is
     not repeated until the context has moved ``probe_pages`` pages (or the current goodput has
     fallen ``margin`` below it); a context that stands still sees one probe at most.
@@ -196,9 +195,9 @@ def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_de
     the threshold to re-enable, ``stable_decodes`` batches between transitions; 0 turns each
     off). Names: onset, keep_pages, never, always, auto.
 
-    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset`` and ``horizon`` and gets no ``ReenablePages``
-    (it has no threshold; freshness and ``margin`` are its hysteresis). ``StableDecodes``
-    wraps it as it wraps the others, so no transition comes sooner than ``stable_decodes``
+    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset`` and ``horizon`` and gets
+    no ``ReenablePages`` (it has no threshold; freshness and ``margin`` are its hysteresis).
+    ``StableDecodes`` wraps it as it wraps the others, so no transition comes sooner than ``stable_decodes``
     batches after the last one; with ``settle >= stable_decodes`` (the defaults) it binds only
     at the onset, since ``settle`` already spaces the transitions above it.
     """

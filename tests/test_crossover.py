@@ -267,7 +267,8 @@ def test_a_page_opened_while_streaming_costs_once_per_page():
         for p in range(CAP_WITH - 4, CAP_WITH + 12):
             streamed = max(0, p - cap)
             for i in range(10):
-                step_s = TRUE.target_s(p, streamed, 1 + drafted) + drafted * DRAFT_S + (0.1 if streamed and not i else 0)
+                recapture = 0.1 if streamed and not i else 0.0
+                step_s = TRUE.target_s(p, streamed, 1 + drafted) + drafted * DRAFT_S + recapture
                 rows.append(dict(run_id=run, context=p * PAGE + i, pages_per_layer=p, streamed_pages=streamed,
                                  verify_width=1 + drafted, draft_s=drafted * DRAFT_S, draft_active=drafted > 0,
                                  step_s=step_s))

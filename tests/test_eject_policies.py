@@ -160,7 +160,7 @@ def eject_goodput(pages):
 KEEP_TOKENS = 3                 # tokens per verify round with the draft (accepted + bonus)
 REENABLE_S, EJECT_S = 0.05, 0.01  # re-pinning the draft (weights, its KV catching up) / unpinning
 WARMUP, WARMUP_SLOW = 2, 1.5    # the first batches of a stint run slower (what `settle` waits out)
-WINDOW = 4                      # the engine's goodput: tokens / seconds over the stint's last batches
+WINDOW = 4                      # goodput here (a model, not the engine's): tokens / seconds, last batches
 
 
 @dataclass
