@@ -185,27 +185,40 @@ def capacity_curve(runs: pd.DataFrame, column: str):
     return lambda ctx: np.interp(ctx, per.index.to_numpy(float), per.to_numpy(float))
 
 
+SPAN_POINTS = 33  # contexts a decode's span is averaged over (every 128 tokens of a 4096-token decode)
+
+
 def predicted_crossover(model: CostModel, capacity_with, capacity_without, contexts,
                         eject_pages: float | None = None, new_tokens: int | None = None
                         ) -> tuple[pd.DataFrame, dict]:
     """Keep (draft always) vs eject (draft until pages > eject_pages, default capacity_with, then plain
     decoding with capacity_without resident pages) predicted tok/s per context, and the crossover.
     Capacities are pages per layer, constant or functions of context (``capacity_curve``). With
-    ``new_tokens`` the eject arm pays ``model.eject_s`` once per decode of that many tokens, as a
-    measured arm does; without it, steady state (a decode long enough to amortise the eject)."""
+    ``new_tokens``, each context is the prompt of a decode of that many tokens, as in a measured
+    arm: the rates are averaged over the decode's span and the eject arm pays ``model.eject_s``
+    once; without it, steady state at the context (a decode long enough to amortise the eject)."""
     cw, cwo = (c if callable(c) else (lambda ctx, c=c: np.full_like(np.asarray(ctx, float), c))
                for c in (capacity_with, capacity_without))
     if math.isnan(model.acceptance):
         raise ValueError("no drafted steps to predict from (the draft proposed nothing in any round)")
 
+    def rates(c):  # tok/s with the draft kept / plain, at contexts c (continuous pages)
+        pages = c / PAGE
+        return (model.tok_s(pages, np.maximum(0, pages - cw(c)), True),
+                model.tok_s(pages, np.maximum(0, pages - cwo(c)), False))
+
     def curves(c):
         c = np.asarray(c, float)
-        pages = c / PAGE  # continuous pages: the crossover is a fractional page count
-        keep = model.tok_s(pages, np.maximum(0, pages - cw(c)), True)
-        plain = model.tok_s(pages, np.maximum(0, pages - cwo(c)), False)
-        if new_tokens:
-            plain = new_tokens / (new_tokens / plain + model.eject_s)
-        return keep, np.where(pages > (cw(c) if eject_pages is None else eject_pages), plain, keep)
+        if not new_tokens:
+            keep, plain = rates(c)
+            return keep, np.where(c / PAGE > (cw(c) if eject_pages is None else eject_pages), plain, keep)
+        # a decode of new_tokens after a prompt of c: the time per token averaged over its span (a
+        # 4096-token decode grows the working set by 16 pages), the eject paid once if it happens
+        span = c[..., None] + np.linspace(0, new_tokens, SPAN_POINTS)
+        keep_s, plain_s = (1 / r for r in rates(span))
+        ejected = span / PAGE > (cw(span) if eject_pages is None else eject_pages)
+        eject_total = np.where(ejected, plain_s, keep_s).mean(-1) * new_tokens + model.eject_s * ejected.any(-1)
+        return 1 / keep_s.mean(-1), new_tokens / eject_total
 
     ctx = np.unique(np.asarray(contexts, float))
     keep, eject = curves(ctx)

@@ -250,10 +250,13 @@ def test_eject_cost_and_a_decode_that_pays_it():
         == pytest.approx(0.02)
     m = replace(fit_cost_model(steps), eject_s=0.04)
     ctx = np.arange(PAGE, 80 * PAGE, PAGE)
-    steady, _ = predicted_crossover(m, CAP_WITH, CAP_WITHOUT, ctx)
     short, p = predicted_crossover(m, CAP_WITH, CAP_WITHOUT, ctx, new_tokens=64)
-    above = steady.pages_per_layer > CAP_WITH
-    assert np.allclose(short.eject_tok_s[above], 64 / (64 / steady.eject_tok_s[above] + 0.04))
+    # a 64-token decode after each prompt: the time per token averaged over its span, which for a
+    # step time linear in the pages (past the onset, short of the capacity without the draft) is
+    # the time at the span's middle, plus the eject once
+    mid, _ = predicted_crossover(m, CAP_WITH, CAP_WITHOUT, ctx + 32)
+    inside = ((short.pages_per_layer > CAP_WITH) & (short.pages_per_layer < CAP_WITHOUT - 1)).to_numpy()
+    assert np.allclose(short.eject_tok_s[inside], 64 / (64 / mid.eject_tok_s[inside] + 0.04))
     assert p["pages_per_layer"] > analytic_crossover_pages(TRUE)  # paying the eject, ejecting wins later
 
 
@@ -329,9 +332,11 @@ def test_cli_writes_tables_and_json(tmp_path, capsys):
     main([str(study)])
     out = json.loads((study / "crossover.json").read_text())
     assert out["measured"]["context_tokens"] == pytest.approx(20 * PAGE)
-    pred = analytic_crossover_pages(TRUE) * PAGE
-    assert out["predicted"]["context_tokens"] == pytest.approx(pred, rel=1e-9)  # no eject cost: steady state
-    assert out["predicted_steady"]["context_tokens"] == pytest.approx(pred, rel=1e-9)
+    steady = analytic_crossover_pages(TRUE) * PAGE
+    assert out["predicted_steady"]["context_tokens"] == pytest.approx(steady, rel=1e-9)
+    # the study's 64-token decodes (no eject cost): the prompt whose decode's middle is at the steady crossover
+    pred = steady - 64 / 2
+    assert out["predicted"]["context_tokens"] == pytest.approx(pred, rel=1e-9)
     assert out["relative_error"] == pytest.approx(abs(pred - 20 * PAGE) / (20 * PAGE), rel=1e-9)
     assert out["cost_model"]["b"] == pytest.approx(TRUE.b)
     assert len(pd.read_csv(study / "decode_table.csv")) == 5 * len(PAGES)
