@@ -11,8 +11,9 @@ tokens per batch over the median batch time of the state's latest batches, so a 
 (a verify width captured late) does not count. The batches right after a transition are charged
 to the transition instead. The per-page part is paid by a state that streams pages: a streaming
 plan re-captures its CUDA graphs when a page opens. It is measured on the batches that open a
-page and applied to whichever state streams. A probe is too short to meet a page boundary, and
-a long stint meets one per page: measured over a window, the two states would not compare alike.
+page and applied to whichever state streams (until a page opens, an eject's re-capture cost
+stands in for it). A probe is too short to meet a page boundary, and a long stint meets one per
+page: measured over a window, the two states would not compare alike.
 """
 
 from __future__ import annotations
@@ -98,8 +99,13 @@ class DraftControl:
 
     @property
     def page_s(self) -> float:
-        """Seconds a streaming state pays once per page (median of the latest page openings)."""
-        return median(self.page_costs) if self.page_costs else 0.0
+        """Seconds a streaming state pays once per page: the median of the latest page openings;
+        before the first, what the latest eject's first batches cost beyond the plain rate (the
+        same work: graphs captured for a new plan), else 0."""
+        if self.page_costs:
+            return median(self.page_costs)
+        return next((t.after_s for t in reversed(self.transitions) if t.action == "eject" and t.after_s is not None),
+                    0.0)
 
     def goodput(self, state: bool, pages: int) -> tuple[float | None, int | None]:
         """(tokens/s, pages when measured) of ``state`` at ``pages`` pages per layer: its steady

@@ -14,7 +14,7 @@ from kernels.formats import PAGE_TOKENS
 from kvstream.arena import ALIGN, MIB, Arena
 from kvstream.cache_factory import make_cache, reserve_slab
 from kvstream.config import ArenaConfig, CacheConfig
-from kvstream.draft_control import DraftControl
+from kvstream.draft_control import DraftControl, Transition
 from kvstream.generate import generate
 from kvstream.model import load_model
 from kvstream.sampling import Sampler, SamplingParams
@@ -188,6 +188,10 @@ def test_goodput_is_steady_rounds_plus_a_cost_per_page_where_the_state_streams(m
     assert control.goodput(False, 3)[0] == 400.0  # plain does not stream there: no page cost
     streams = control.capacity_without + 1
     assert control.goodput(False, streams)[0] == pytest.approx(1 / (1 / 400 + 0.074 / PAGE_TOKENS))
+    control.transitions.append(Transition(0, "eject", 3, 2, 3, 0.01, 0, after_s=0.03))
+    assert control.page_s == pytest.approx(0.074)  # measured page openings come first
+    control.page_costs.clear()
+    assert control.page_s == 0.03  # before any: an eject's re-capture cost stands in
 
 
 def test_a_transition_is_charged_with_its_slow_first_batches(model, host):
