@@ -31,10 +31,12 @@ def test_own_arena_repeats_the_study_prediction_and_more_bytes_move_it_as_the_cl
     same = what_if(runs, steps, ARENA / MIB)
     assert same["predicted"]["context_tokens"] == pytest.approx(analyze(runs, steps)["predicted"]["context_tokens"])
     # 15 MiB more hold 5 more pages per layer, with the draft and without it; no eject in these
-    # steps, so the decode-length prediction is the steady one (bisection: float rounding only)
+    # steps, so the decode-length prediction is the steady one for the middle of the study's
+    # 64-token decodes (step times linear in pages there; bisection: float rounding only)
     more = what_if(runs, steps, ARENA / MIB + 15)
     assert more["capacity_with_draft"][4 * 256] == CAP_WITH + 5
-    expect = analytic_crossover_pages(TRUE, CAP_WITH + 5, CAP_WITHOUT + 5)
+    assert set(runs["new_tokens"]) == {64}
+    expect = analytic_crossover_pages(TRUE, CAP_WITH + 5, CAP_WITHOUT + 5) - 64 / 2 / 256
     assert more["predicted"]["pages_per_layer"] == pytest.approx(expect, rel=1e-9)
     assert more["predicted"]["pages_per_layer"] > same["predicted"]["pages_per_layer"]
 
