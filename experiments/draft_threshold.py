@@ -95,6 +95,13 @@ def _source_tokens(tok: Tokenizer) -> list[int]:
 
 
 _MODELS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one load per sweep process
+# runs.csv's columns, in order (``run_cell`` builds its row with exactly these)
+ROW_COLUMNS = ("run_id", "study", "arm", "policy", "keep_pages", "spec_type", "context", "rep", "new_tokens",
+               "decode_tok_s", "prefill_tok_s", "capacity_with_draft", "capacity_without_draft", "draft_mib", "ejects",
+               "reenables", "transitions", "acceptance_rate", "draft_time_share", "speculators",
+               "synthetic_acceptance", "random_weights", "arena_mib", "arena_bytes", "beyond_arena_mib", "model",
+               "model_sha256", "draft_model", "device", "dtype", "prompt_sha1", "git_commit", "git_dirty",
+               "device_name", "torch", "triton", "python", "config")
 
 
 def _load(cfg: StudyConfig):
@@ -129,6 +136,10 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         resolved.pop(key)
     run_id = hashlib.sha1(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:12]
     runs = out / "runs.csv"
+    if runs.exists() and tuple(have := pd.read_csv(runs, nrows=0).columns) != ROW_COLUMNS:  # before any decoding
+        raise ValueError(f"{runs} has other columns than this code writes (only there: "
+                         f"{sorted(set(have) - set(ROW_COLUMNS))}, only here: {sorted(set(ROW_COLUMNS) - set(have))}): "
+                         f"start a new study folder (study=...)")
     if runs.exists() and run_id in set(pd.read_csv(runs, usecols=["run_id"], dtype=str)["run_id"]):
         print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep}: done before ({run_id}), skipped")
         return None
@@ -167,10 +178,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "dtype": run_cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],
         **provenance(), "config": json.dumps(resolved, sort_keys=True, default=str),
     }
-    if runs.exists() and list(pd.read_csv(runs, nrows=0).columns) != list(row):  # appending would shift columns
-        have = list(pd.read_csv(runs, nrows=0).columns)
-        raise ValueError(f"{runs} has other columns than this code writes (only there: {sorted(set(have) - set(row))}, "
-                         f"only here: {sorted(set(row) - set(have))}): start a new study folder (study=...)")
+    assert tuple(row) == ROW_COLUMNS, "the row and ROW_COLUMNS disagree"  # appending would shift columns
     pd.DataFrame([row]).to_csv(runs, mode="a", header=not runs.exists(), index=False)  # the row marks it done
     print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context}: {g.stats.line()}", flush=True)
     return row
@@ -229,7 +237,14 @@ def analyze(study: Path) -> None:
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="draft_threshold")
 def _main(cfg: DictConfig) -> None:
-    run_cell(to_typed(cfg, StudyConfig))
+    try:
+        run_cell(to_typed(cfg, StudyConfig))
+    except Exception as e:
+        # say so now, not when the sweep ends; and without the traceback's frames: Hydra keeps every
+        # failed cell's exception until the sweep ends, and those frames hold the cell's arena and caches
+        print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep} failed: "
+              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise e.with_traceback(None) from None
 
 
 def main() -> None:

@@ -130,6 +130,22 @@ def test_a_row_is_not_appended_under_another_header(tiny, tmp_path):
     pd.DataFrame({"run_id": ["x"], "decode_tok_s": [1.0]}).to_csv(tmp_path / "t" / "runs.csv", index=False)
     with pytest.raises(ValueError, match=r"other columns .* start a new study folder"):
         run_cell(study_cfg(tiny, tmp_path, arm="none", max_new_tokens=4))
+    assert not (tmp_path / "t" / "steps").exists()  # refused before decoding anything
+
+
+def test_a_sweep_says_which_cells_failed_as_they_fail(tiny, tmp_path):
+    """Each failed cell is named on stderr when it fails (Hydra raises only when the sweep ends)."""
+    import subprocess
+    import sys
+    (tmp_path / "t").mkdir()
+    pd.DataFrame({"run_id": ["x"]}).to_csv(tmp_path / "t" / "runs.csv", index=False)
+    cmd = [sys.executable, "-m", "experiments.draft_threshold", "--multirun", f"model.source={tiny[0]}",
+           f"spec.draft.source={tiny[1]}", "hardware=cpu", f"results={tmp_path}", "study=t", "arm=none,keep",
+           "max_new_tokens=4", "progress=false"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert p.returncode != 0
+    for arm in ("none", "keep"):
+        assert f"[t] arm={arm} context=" in p.stderr and "failed: ValueError:" in p.stderr, p.stderr[-2000:]
 
 
 def test_a_spec_study_gets_its_table_and_figure(tiny, tmp_path):
