@@ -132,12 +132,17 @@ def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
     still pay a transition (``paying``) left out. 0 when no such step, or the steps do not say."""
     if not {"run_id", "context"} <= set(steps.columns):
         return 0.0
-    s = steps.assign(target_s=steps["step_s"] - steps["draft_s"] * steps["draft_active"].astype(bool))
+    active = steps["draft_active"].astype(bool)
+    s = steps.assign(target_s=steps["step_s"] - steps["draft_s"] * active)
     point = [s["run_id"], s["streamed_pages"], s["verify_width"], s["pages_per_layer"]]
-    extra = s["target_s"] - s.groupby(point)["target_s"].transform("median")
-    opens = s["pages_per_layer"] > s.groupby("run_id")["pages_per_layer"].shift()
-    picked = extra[opens & (s["streamed_pages"] > 0) & ~paying]
-    return float(picked.median()) if len(picked) else 0.0
+    by = s.groupby(point)["target_s"]
+    extra = s["target_s"] - by.transform("median")
+    # the round that launched the page's first step: a plain round queues the next step (CUDA
+    # run-ahead), so it opens the page one token early
+    launched = -(-(s["context"] + ~active) // PAGE)
+    opens = launched > launched.groupby(s["run_id"]).shift()
+    picked = extra[opens & (s["streamed_pages"] > 0) & ~paying & (by.transform("size") >= 3)]
+    return max(0.0, float(picked.median())) if len(picked) else 0.0
 
 
 def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:

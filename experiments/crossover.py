@@ -202,21 +202,23 @@ def predicted_crossover(model: CostModel, capacity_with, capacity_without, conte
     if math.isnan(model.acceptance):
         raise ValueError("no drafted steps to predict from (the draft proposed nothing in any round)")
 
-    def rates(c):  # tok/s with the draft kept / plain, at contexts c (continuous pages)
+    def rates(c, with_, without):  # tok/s with the draft kept / plain at contexts c, given capacities
         pages = c / PAGE
-        return (model.tok_s(pages, np.maximum(0, pages - cw(c)), True),
-                model.tok_s(pages, np.maximum(0, pages - cwo(c)), False))
+        return (model.tok_s(pages, np.maximum(0, pages - with_), True),
+                model.tok_s(pages, np.maximum(0, pages - without), False))
 
     def curves(c):
         c = np.asarray(c, float)
         if not new_tokens:
-            keep, plain = rates(c)
+            keep, plain = rates(c, cw(c), cwo(c))
             return keep, np.where(c / PAGE > (cw(c) if eject_pages is None else eject_pages), plain, keep)
         # a decode of new_tokens after a prompt of c: the time per token averaged over its span (a
-        # 4096-token decode grows the working set by 16 pages), the eject paid once if it happens
+        # 4096-token decode grows the working set by 16 pages) with the prompt's capacities (the
+        # cell's layout), the eject paid once if it happens
         span = c[..., None] + np.linspace(0, new_tokens, SPAN_POINTS)
-        keep_s, plain_s = (1 / r for r in rates(span))
-        ejected = span / PAGE > (cw(span) if eject_pages is None else eject_pages)
+        with_, without = np.asarray(cw(c), float)[..., None], np.asarray(cwo(c), float)[..., None]
+        keep_s, plain_s = (1 / r for r in rates(span, with_, without))
+        ejected = span / PAGE > (with_ if eject_pages is None else eject_pages)
         eject_total = np.where(ejected, plain_s, keep_s).mean(-1) * new_tokens + model.eject_s * ejected.any(-1)
         return 1 / keep_s.mean(-1), new_tokens / eject_total
 

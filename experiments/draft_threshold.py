@@ -25,6 +25,7 @@ import json
 import platform
 import subprocess
 import sys
+import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -178,7 +179,8 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "dtype": run_cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],
         **provenance(), "config": json.dumps(resolved, sort_keys=True, default=str),
     }
-    assert tuple(row) == ROW_COLUMNS, "the row and ROW_COLUMNS disagree"  # appending would shift columns
+    if tuple(row) != ROW_COLUMNS:  # appending would shift columns
+        raise RuntimeError(f"run_cell's row and ROW_COLUMNS disagree: {sorted(set(row) ^ set(ROW_COLUMNS))}")
     pd.DataFrame([row]).to_csv(runs, mode="a", header=not runs.exists(), index=False)  # the row marks it done
     print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context}: {g.stats.line()}", flush=True)
     return row
@@ -240,11 +242,12 @@ def _main(cfg: DictConfig) -> None:
     try:
         run_cell(to_typed(cfg, StudyConfig))
     except Exception as e:
-        # say so now, not when the sweep ends; and without the traceback's frames: Hydra keeps every
-        # failed cell's exception until the sweep ends, and those frames hold the cell's arena and caches
-        print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep} failed: "
-              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        raise e.with_traceback(None) from None
+        # say so now, not when the sweep ends, and raise an error that holds no frames: Hydra keeps
+        # every failed cell's exception until the sweep ends, and the frames of its traceback (and
+        # of any exception chained to it) hold the cell's arena and caches
+        cell = f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep}"
+        print(f"{cell} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise RuntimeError(f"{cell} failed: {type(e).__name__}: {e}") from None
 
 
 def main() -> None:

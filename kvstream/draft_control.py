@@ -64,7 +64,7 @@ class DraftControl:
         self.streaming = False  # the working set exceeds the draft-active capacity
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         self.page_costs: deque[float] = deque(maxlen=PAGE_SAMPLES)  # seconds a page opening took beyond the steady rate
-        self._pages: int | None = None  # pages per layer after the previous batch
+        self._pages: int | None = None  # pages per layer of the latest step launched, after the previous batch
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []
         self._after: list[tuple[int, float]] = []  # (tokens, seconds) of the batches since the latest transition
@@ -103,7 +103,7 @@ class DraftControl:
         before the first, what the latest eject's first batches cost beyond the plain rate (the
         same work: graphs captured for a new plan), else 0."""
         if self.page_costs:
-            return median(self.page_costs)
+            return max(0.0, median(self.page_costs))
         return next((t.after_s for t in reversed(self.transitions) if t.action == "eject" and t.after_s is not None),
                     0.0)
 
@@ -129,8 +129,11 @@ class DraftControl:
         return median(s for _, s in m), sum(n for n, _ in m) / len(m)
 
     def _record(self, new_tokens: int, step_s: float, pages: int) -> None:
-        """One batch into the current state's measurements, or into the latest transition's."""
-        opens, self._pages = self._pages is not None and pages > self._pages, pages
+        """One batch into the current state's measurements, or into the latest transition's. A
+        page opens in the batch that launched the step writing its first row: with a plain step
+        queued ahead (run-ahead), the batch before the one whose context enters the page."""
+        launched = max(pages, -(-self.cache.length // PAGE_TOKENS))
+        opens, self._pages = self._pages is not None and launched > self._pages, launched
         if self.since < CHARGED:
             self._after.append((new_tokens, step_s))
             return
@@ -159,7 +162,8 @@ class DraftControl:
             for state in (True, False):
                 self.meter[state].clear()
                 self.measured[state] = (None, None)
-            self._after = []
+            if not self.transitions or self.transitions[-1].after_s is not None:  # none pending a charge
+                self._after = []
         self._record(new_tokens, step_s, pages)
         self.since += 1
         if tokens_left == 0:  # the decode is over: a transition now would only cost

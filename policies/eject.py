@@ -145,7 +145,7 @@ class Auto:
     left (``tokens_left`` at the current goodput) is compared with the measured transition
     costs. A probe that finds the other state worse costs an eject and a re-enable, and skipping
     it can lose at most the time left (minimax regret with no bound on the other state's
-    goodput), so a probe is skipped when the time left is below both costs. A switch to a state
+    goodput), so a probe is skipped when the time left is below their sum. A switch to a state
     measured better saves ``time left x (1 - current / other)`` and costs one transition. Costs
     not yet measured count as zero: the first probe of a decode is always made.
     """

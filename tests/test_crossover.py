@@ -272,7 +272,7 @@ def test_a_page_opened_while_streaming_costs_once_per_page():
             for i in range(10):
                 recapture = 0.1 if streamed and not i else 0.0
                 step_s = TRUE.target_s(p, streamed, 1 + drafted) + drafted * DRAFT_S + recapture
-                rows.append(dict(run_id=run, context=p * PAGE + i, pages_per_layer=p, streamed_pages=streamed,
+                rows.append(dict(run_id=run, context=(p - 1) * PAGE + 1 + i, pages_per_layer=p, streamed_pages=streamed,
                                  verify_width=1 + drafted, draft_s=drafted * DRAFT_S, draft_active=drafted > 0,
                                  step_s=step_s))
     steps = pd.DataFrame(rows)

@@ -169,18 +169,22 @@ def test_eject_gives_the_draft_bytes_to_the_page_pool_and_reenable_takes_them_ba
     assert control.capacity_without == min(layout0.pool_pages // SPEC.n_layers, cache.max_pages)
 
 
-def test_goodput_is_steady_rounds_plus_a_cost_per_page_where_the_state_streams(model, host):
+@pytest.mark.parametrize("queued", [0, 1])
+def test_goodput_is_steady_rounds_plus_a_cost_per_page_where_the_state_streams(model, host, queued):
     """A state's goodput: its steady rounds (mean tokens over the median batch: a lone slow batch,
     such as a verify width captured late, does not count), plus what a page opening costs, once
     per page of tokens, wherever that state streams (a streaming plan re-captures its graphs
     then: ~0.1 s every ~51 kept rounds of ~11 ms on the H200). A probe is too short to meet a
-    page boundary, so the cost is measured where pages open and applied to either state."""
+    page boundary, so the cost is measured where pages open and applied to either state.
+    ``queued``: a step queued ahead (run-ahead plain rounds) is in the cache when its round is
+    recorded, so the round that launched a page's first step pays that page's capture."""
     control = DraftControl(new_draft(host), target_cache(model, arena_mib(model, host, 2)), Scripted(at=-1, back=-1))
     assert control.capacity_with == 2 and control.capacity_without >= 3  # the draft streams at 3 pages, plain not
     length = 3 * PAGE_TOKENS - 60  # in page 3; rounds of 5 tokens, the one that opens page 4 re-captures
     for step in range(40):
-        opens = -(-(length + 5) // PAGE_TOKENS) > -(-length // PAGE_TOKENS)
+        opens = -(-(length + 5 + queued) // PAGE_TOKENS) > -(-(length + queued) // PAGE_TOKENS)
         length += 5
+        control.cache.length = length + queued
         control.after_step(step, 5, 0.085 if opens else 0.011, length=length)
     assert control.measured[True][0] == pytest.approx(5 / 0.011) and control.page_s == pytest.approx(0.074)
     assert control.goodput(True, 3)[0] == pytest.approx(1 / (0.011 / 5 + 0.074 / PAGE_TOKENS))

@@ -3,6 +3,7 @@ the analysis writes its tables and figure; every config in conf/ composes into t
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -144,8 +145,9 @@ def test_a_sweep_says_which_cells_failed_as_they_fail(tiny, tmp_path):
            "max_new_tokens=4", "progress=false"]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
     assert p.returncode != 0
-    for arm in ("none", "keep"):
-        assert f"[t] arm={arm} context=" in p.stderr and "failed: ValueError:" in p.stderr, p.stderr[-2000:]
+    for arm in ("none", "keep"):  # each with its traceback, at once
+        assert re.search(rf"\[t\] arm={arm} context=\d+ rep=0 failed:\nTraceback", p.stderr), p.stderr[-2000:]
+    assert p.stderr.count("ValueError: ") >= 2 and "start a new study folder" in p.stderr
 
 
 def test_a_spec_study_gets_its_table_and_figure(tiny, tmp_path):
