@@ -125,6 +125,13 @@ def eject_cost(steps: pd.DataFrame) -> float:
     return float(np.median(costs)) if costs else 0.0
 
 
+def target_seconds(steps: pd.DataFrame) -> pd.Series:
+    """The target's part of each step. A round with the draft ejected runs the host a step ahead:
+    its draft_s (the chain's bookkeeping) overlaps the device's step instead of preceding it, so
+    its whole wall time is the target's."""
+    return steps["step_s"] - steps["draft_s"] * steps["draft_active"].astype(bool)
+
+
 def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
     """Median extra target time of the steps that open a page while pages stream (the plan's
     copies change, so its CUDA graphs are re-captured: ~0.1 s on the H200, against ~0.5 s of
@@ -133,7 +140,7 @@ def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
     if not {"run_id", "context"} <= set(steps.columns):
         return 0.0
     active = steps["draft_active"].astype(bool)
-    s = steps.assign(target_s=steps["step_s"] - steps["draft_s"] * active)
+    s = steps.assign(target_s=target_seconds(steps))
     point = [s["run_id"], s["streamed_pages"], s["verify_width"], s["pages_per_layer"]]
     by = s.groupby(point)["target_s"]
     extra = s["target_s"] - by.transform("median")
@@ -234,9 +241,7 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
     s = steps[list(STEP_COLUMNS)].astype(float).dropna()
     paying = after_transition(steps)
     s = s[~paying.loc[s.index]]
-    # a round with the draft ejected runs the host a step ahead: its draft_s (the chain's bookkeeping)
-    # overlaps the device's step instead of preceding it, so its whole wall time is the target's
-    s = s.assign(target_s=s["step_s"] - s["draft_s"] * s["draft_active"].astype(bool))
+    s = s.assign(target_s=target_seconds(s))
     g = s.groupby(["streamed_pages", "verify_width", "pages_per_layer"])["target_s"].agg(["median", "size"])
     g = g.reset_index()
     coef, copy_line, pred = _fit_lines(g, len(s), s)

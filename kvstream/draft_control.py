@@ -107,11 +107,15 @@ class DraftControl:
         return next((t.after_s for t in reversed(self.transitions) if t.action == "eject" and t.after_s is not None),
                     0.0)
 
+    def _streams(self, state: bool, pages: int) -> bool:
+        """Whether ``state`` (draft pinned or not) streams pages at ``pages`` pages per layer."""
+        return pages > (self.capacity_with if state else self.capacity_without)
+
     def goodput(self, state: bool, pages: int) -> tuple[float | None, int | None]:
         """(tokens/s, pages when measured) of ``state`` at ``pages`` pages per layer: its steady
         rate, plus ``page_s`` per page of tokens where that state streams."""
         rate, at = self.measured[state]
-        if rate is None or pages <= (self.capacity_with if state else self.capacity_without):
+        if rate is None or not self._streams(state, pages):
             return rate, at
         return 1.0 / (1.0 / rate + self.page_s / PAGE_TOKENS), at
 
@@ -124,9 +128,8 @@ class DraftControl:
     def _steady(self, state: bool) -> tuple[float, float] | None:
         """(median batch seconds, mean tokens per batch) of ``state``'s latest batches."""
         m = self.meter[state]
-        if len(m) < GOODPUT_MIN or median(s for _, s in m) <= 0:
-            return None
-        return median(s for _, s in m), sum(n for n, _ in m) / len(m)
+        seconds = median(s for _, s in m) if len(m) >= GOODPUT_MIN else 0.0
+        return (seconds, sum(n for n, _ in m) / len(m)) if seconds > 0 else None
 
     def _record(self, new_tokens: int, step_s: float, pages: int) -> None:
         """One batch into the current state's measurements, or into the latest transition's. A
@@ -139,7 +142,7 @@ class DraftControl:
             return
         state = self.active
         steady = self._steady(state)
-        if opens and steady and pages > (self.capacity_with if state else self.capacity_without):
+        if opens and steady and self._streams(state, pages):
             self.page_costs.append(step_s - steady[0])  # beyond the median batch
         self.meter[state].append((new_tokens, step_s))
         steady = self._steady(state)

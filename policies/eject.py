@@ -136,10 +136,11 @@ class Auto:
     pages of the current working set. Nothing is decided in the first ``settle`` batches of a
     stint (until then the current state's measurement is the previous stint's). After that: if
     the other state's measurement is missing or stale, switch to probe it; if both are fresh,
-    switch only when the other beats the current one by more than ``margin`` (relative). So above the onset transitions are at least ``settle`` batches
-    apart; a probe that finds the other state worse returns once and, its result now fresh, is
-    not repeated until the context has moved ``probe_pages`` pages (or the current goodput has
-    fallen ``margin`` below it); a context that stands still sees one probe at most.
+    switch only when the other beats the current one by more than ``margin`` (relative). So
+    above the onset transitions are at least ``settle`` batches apart; a probe that finds the
+    other state worse returns once and, its result now fresh, is not repeated until the context
+    has moved ``probe_pages`` pages (or the current goodput has fallen ``margin`` below it); a
+    context that stands still sees one probe at most.
 
     With ``horizon``, a transition must be able to pay for itself within the decode: the time
     left (``tokens_left`` at the current goodput) is compared with the measured transition
@@ -195,11 +196,12 @@ def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_de
     the threshold to re-enable, ``stable_decodes`` batches between transitions; 0 turns each
     off). Names: onset, keep_pages, never, always, auto.
 
-    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset`` and ``horizon`` and gets
-    no ``ReenablePages`` (it has no threshold; freshness and ``margin`` are its hysteresis).
-    ``StableDecodes`` wraps it as it wraps the others, so no transition comes sooner than ``stable_decodes``
-    batches after the last one; with ``settle >= stable_decodes`` (the defaults) it binds only
-    at the onset, since ``settle`` already spaces the transitions above it.
+    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset`` and ``horizon`` and
+    gets no ``ReenablePages`` (it has no threshold; freshness and ``margin`` are its
+    hysteresis). ``StableDecodes`` wraps it as it wraps the others, so no transition comes
+    sooner than ``stable_decodes`` batches after the last one; with ``settle >=
+    stable_decodes`` (the defaults) it binds only at the onset, since ``settle`` already spaces
+    the transitions above it.
     """
     base = {"onset": Onset(), "keep_pages": KeepPages(keep_pages), "never": Never(), "always": Always(),
             "auto": Auto(probe_pages, settle, margin, trust_onset, horizon)}
