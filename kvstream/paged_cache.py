@@ -72,7 +72,10 @@ class _Copier:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.stream = torch.cuda.Stream(device)
+            # an int: torch.cuda.current_stream(None or a device) looks the device index up on
+            # each call, and capturing a step makes ~700 of these calls (results/capture)
+            self.device = device.index if device.index is not None else torch.cuda.current_device()
+            self.stream = torch.cuda.Stream(self.device)
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
             self.free = [torch.cuda.Event(), torch.cuda.Event()]
 
@@ -82,10 +85,9 @@ class _Copier:
         if not self.cuda:
             dst.copy_(src)
             return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(self.free[half])
-            copy_rows(dst, src, self.stream)
-            self.ready[half].record(self.stream)
+        self.stream.wait_event(self.free[half])  # explicit streams throughout: no stream context to enter
+        copy_rows(dst, src, self.stream)
+        self.ready[half].record(self.stream)
 
     def write_back(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Arena rows -> a strided host view (one page of every layer), after the compute
@@ -94,7 +96,7 @@ class _Copier:
         if not self.cuda:
             dst.copy_(src)
             return
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         copy_rows(dst, src, self.stream)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -103,24 +105,25 @@ class _Copier:
         if not self.cuda:
             dst.copy_(src)
             return
-        copy_rows(dst, src, torch.cuda.current_stream())
+        copy_rows(dst, src, torch.cuda.current_stream(self.device))
 
     def reset(self) -> None:
         """Both ring halves are free once the compute stream's work so far is done. Recorded
         afresh by every step (and eagerly before copies issued outside one): an event last
         recorded inside a graph capture cannot be waited on outside it."""
         if self.cuda:
+            s = torch.cuda.current_stream(self.device)
             for e in self.free:
-                e.record(torch.cuda.current_stream())
+                e.record(s)
 
     def wait(self, half: int | None = None) -> None:
         if self.cuda:
-            s = torch.cuda.current_stream()
+            s = torch.cuda.current_stream(self.device)
             s.wait_event(self.ready[half]) if half is not None else s.wait_stream(self.stream)
 
     def release(self, half: int) -> None:
         if self.cuda:
-            self.free[half].record(torch.cuda.current_stream())
+            self.free[half].record(torch.cuda.current_stream(self.device))
 
 
 class PagedCache(CacheBase):
@@ -298,7 +301,8 @@ class PagedCache(CacheBase):
         if any(p not in want for p in writing):
             others = [p for p in want if p not in writing]
             want = others[:self.capacity - len(writing)] + list(writing)
-        for p in [p for p in self.slot if p not in set(want)]:
+        keep = set(want)
+        for p in [p for p in self.slot if p not in keep]:
             del self.slot[p]
         free = sorted(set(range(self.capacity)) - set(self.slot.values()))
         uploads = []
@@ -331,13 +335,17 @@ class PagedCache(CacheBase):
         self.round_keys = keys
         streamed = len(self.rounds[0][2])
         self.group = group_size(self.n_layers, half // streamed) if len(self.rounds) == 1 and streamed else 1
-        for l in range(self.n_layers):
-            for r, (_, _, pages) in enumerate(self.rounds):
-                base = self._half(l, r) * half + (l % self.group) * len(pages)  # a group's layers side by side
-                for i, p in enumerate(pages):
-                    self.tables_host[l, p] = base + i
-            for p, j in self.slot.items():
-                self.tables_host[l, p] = self._pool_slot(l, j)
+        # the page tables, a column per page for all layers at once (per-element writes from
+        # Python took 5-20 ms per plan at 28 layers x 128 pages: results/capture)
+        layers = torch.arange(self.n_layers, dtype=torch.int32)[:, None]
+        for r, (_, _, pages) in enumerate(self.rounds):
+            if pages:
+                half_of = ((layers // self.group) * len(self.rounds) + r) % 2  # as _half(layer, r)
+                base = half_of * half + (layers % self.group) * len(pages)  # a group's layers side by side
+                self.tables_host[:, pages] = base + torch.arange(len(pages), dtype=torch.int32)
+        if self.slot:
+            pages, slots = zip(*self.slot.items())
+            self.tables_host[:, list(pages)] = self.ring_pages + layers * self.capacity + torch.tensor(slots, dtype=torch.int32)
         self.tables.copy_(self.tables_host)
         self._n_pages = n_pages
         # a captured step depends on the plan only through its copies and round keys: with

@@ -14,6 +14,7 @@ from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.generate import prefill
 from kvstream.model import load_model
 from kvstream.paged_cache import PagedCache, copy_runs, group_size
+from policies.residency import RESIDENCY
 from tiny_gguf import TinySpec, write_tiny_model
 
 SPEC = TinySpec(arch="qwen2", hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, ffn=128, n_layers=2,
@@ -413,3 +414,30 @@ def test_causal_attention_equals_softmax_under_an_explicit_mask(n, L):
     # fp32 SDPA vs an fp64 reference: fp32 rounding of 64-term dots and an L-term softmax sum
     assert torch.allclose(causal_attention(q, k, v).double(), ref, atol=1e-5, rtol=1e-5)
 
+
+
+@pytest.mark.parametrize("layers, max_pages, capacity, ring, residency", [
+    (28, 128, 26, 64, "newest"), (28, 128, 10, 8, "newest"), (7, 64, 20, None, "newest"),
+    (3, 16, 4, 16, "sink_newest"), (2, 16, 3, 2, "newest")])
+def test_page_tables_map_every_page_where_the_plan_puts_it(layers, max_pages, capacity, ring, residency):
+    """The tables, built a column per page for all layers at once, against the rule page by
+    page: a resident page of layer l sits in the pool at ring + l * capacity + its slot; a
+    streamed page of round r at its place in the round's ring half (a group's layers side by
+    side). Integers: equal or not."""
+    pair = pair_bytes()
+    arena = Arena((layers * capacity + (ring or 2 * max_pages)) * pair + 8 * ALIGN, "cpu")
+    cache = PagedCache(n_layers=layers, n_kv_heads=SPEC.n_kv_heads, head_dim=SPEC.head_dim,
+                       max_tokens=max_pages * PAGE_TOKENS, type_k="q8_0", type_v="q4_0", mode="stream", arena=arena,
+                       ring_pages=ring, slabs={"prefill": 0, "decode": 0}, residency=RESIDENCY[residency]())
+    for n in (max_pages // 2, max_pages // 2 + 1, max_pages):  # a plan, then a page opening, then the full context
+        cache.length = (n - 1) * PAGE_TOKENS
+        cache._plan(n, upload_below=n - 1, writing=range(n - 1, n))
+        half = max(1, cache.ring_pages // 2)
+        for l in range(layers):
+            for r, (_, _, pages) in enumerate(cache.rounds):
+                base = cache._half(l, r) * half + (l % cache.group) * len(pages)
+                for i, p in enumerate(pages):
+                    assert cache.tables_host[l, p] == base + i
+            for p, j in cache.slot.items():
+                assert cache.tables_host[l, p] == cache.ring_pages + l * cache.capacity + j
+        assert torch.equal(cache.tables, cache.tables_host)
