@@ -1,0 +1,175 @@
+"""What a new streaming plan costs a graphed decode step: the parts of a re-capture, timed.
+
+    python -m experiments.bench_capture --model .models/qwen2.5-coder-1.5b.skeleton.gguf \
+        --context 16384 --resident 26 --ring-pages 64 --width 5 --pages 4
+
+A streaming plan changes whenever a page opens (every 256 tokens): its copies change, so
+``GraphedModel`` captures the step anew. This prefills ``--context`` random tokens into a
+stream cache in an arena that holds ``--resident`` pages per layer, then decodes steps of
+``--width`` tokens (device-synchronised each) across ``--pages`` page openings, timing what
+a re-capture runs (the functions are wrapped, so the times are the real calls'):
+``cache.begin`` (with the residency plan and the eager first-round copy), the warm-up body,
+``torch.cuda.graph``'s entry (synchronize, empty_cache, the host cache's), the captured body,
+``capture_end`` (instantiation), and the rest of the step (the new graph's first replay).
+Writes ``<out>/capture_<model>_<context>_w<width>.csv`` (one row per step) and prints the
+steady step, each plan-change step and its excess by part; ``--profile`` adds a cProfile of
+the plan-change steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kvstream.arena import MIB
+from kvstream.cache_factory import make_cache, paged_bytes, phase_slabs
+from kvstream.config import ArenaConfig, CacheConfig
+from kvstream.cuda_graph import GraphedModel
+from kvstream.model import load_model
+
+SYNC = torch.cuda.synchronize  # this script's own waits, not counted as a capture's
+
+PARTS = ("begin", "plan", "warm_body", "sync", "empty_cache", "host_empty_cache", "capture_body",
+         "capture_end", "commit")
+
+
+class Clock:
+    """Wall seconds per named part within the current step (wrapped callables add to it)."""
+
+    def __init__(self):
+        self.t: dict[str, float] = {}
+        self.bodies = 0
+
+    def wrap(self, fn, key):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.t[key] = self.t.get(key, 0.0) + time.perf_counter() - t0
+        return timed
+
+
+def instrument_torch(clock: Clock) -> None:
+    """Wrap torch's parts of a capture (this process only: a benchmark)."""
+    torch.cuda.synchronize = clock.wrap(torch.cuda.synchronize, "sync")
+    torch.cuda.empty_cache = clock.wrap(torch.cuda.empty_cache, "empty_cache")
+    torch._C._host_emptyCache = clock.wrap(torch._C._host_emptyCache, "host_empty_cache")
+    torch.cuda.CUDAGraph.capture_end = clock.wrap(torch.cuda.CUDAGraph.capture_end, "capture_end")
+
+
+def instrument(clock: Clock, graphed: GraphedModel, cache) -> None:
+    """Wrap the cache's and the graphed model's parts of a step."""
+    cache.begin = clock.wrap(cache.begin, "begin")
+    cache._plan = clock.wrap(cache._plan, "plan")
+    cache.commit = clock.wrap(cache.commit, "commit")
+    body = graphed.model.body
+
+    def counted_body(*args, **kwargs):  # a capture runs it eagerly (the warm-up), then capturing
+        warm = not torch.cuda.is_current_stream_capturing()
+        return clock.wrap(body, "warm_body" if warm else "capture_body")(*args, **kwargs)
+
+    graphed.model = copy.copy(graphed.model)  # this run's wrapper only
+    graphed.model.body = counted_body
+
+
+@torch.inference_mode()
+def measure(model, clock: Clock, context: int, width: int, pages: int, resident: int, ring_pages: int,
+            profiler: cProfile.Profile | None = None) -> pd.DataFrame:
+    """One decode across ``pages`` page openings; a row per step."""
+    new = pages * 256 + 2 * width
+    cc = CacheConfig(mode="stream", ring_pages=str(ring_pages))
+    slabs = phase_slabs(cc, model, context + new, 512, width)
+    # an arena whose decode layout holds ``resident`` pages per layer (the rest streams), and
+    # whose prefill layout holds the prefill slab and a few pages per layer
+    nbytes = max(paged_bytes(model.cfg, cc.type_k, cc.type_v, resident * 256, slabs["decode"], ring_pages),
+                 paged_bytes(model.cfg, cc.type_k, cc.type_v, 4 * 256, slabs["prefill"], ring_pages))
+    cache = make_cache(cc, ArenaConfig(str(nbytes / MIB)), model, context + new, 512, verify_width=width, slabs=slabs)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)
+    for a in range(0, context, 512):
+        model(prompt[a:a + 512].cuda(), cache)
+    cache.set_phase("decode")
+    print(f"arena {nbytes / MIB:.0f} MiB: {cache.capacity} resident pages per layer, ring {cache.ring_pages}")
+    graphed = GraphedModel(model)
+    step = lambda: graphed(torch.randint(0, model.cfg.vocab_size, (width,), generator=g).cuda(), cache, width > 1)
+    for _ in range(3):  # compile and capture this width at this plan
+        step()
+    SYNC()
+    instrument(clock, graphed, cache)
+    rows = []
+    for i in range(new // width - 3):
+        clock.t.clear()
+        before = graphed.captures
+        t0 = time.perf_counter()
+        if profiler is not None and cache.length // 256 != (cache.length + width) // 256:  # a page opens
+            profiler.enable()
+            step()
+            profiler.disable()
+        else:
+            step()
+        SYNC()
+        wall = time.perf_counter() - t0
+        rows.append({"step": i, "length": cache.length, "streamed_pages": cache.stats.streamed_pages,
+                     "rounds": cache.stats.rounds, "captured": graphed.captures - before,
+                     "wall_s": wall, **{p: clock.t.get(p, 0.0) for p in PARTS}})
+    return pd.DataFrame(rows)
+
+
+def report(df: pd.DataFrame, label: str) -> None:
+    steady, changed = df[df.captured == 0], df[df.captured > 0]
+    base = steady.wall_s.median()
+    print(f"{label}: steady step {1e3 * base:.2f} ms (median of {len(steady)}), {len(changed)} plan changes, "
+          f"excess median {1e3 * (changed.wall_s.median() - base):.2f} ms")
+    for _, r in changed.iterrows():
+        parts = {p: r[p] for p in PARTS}
+        other = r.wall_s - base - sum(parts.values()) + steady[list(PARTS)].median().sum()
+        print(f"  at {int(r.length)} ({int(r.streamed_pages)} streamed, {int(r.rounds)} rounds): step "
+              f"{1e3 * r.wall_s:.2f} ms, excess {1e3 * (r.wall_s - base):.2f} = "
+              + ", ".join(f"{p} {1e3 * v:.2f}" for p, v in parts.items() if v > 1e-4) + f", rest {1e3 * other:.2f}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="a GGUF (a skeleton gives random weights: times only)")
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--width", type=int, default=5, help="tokens per step (1 + draft tokens)")
+    ap.add_argument("--pages", type=int, default=4, help="page openings to decode across")
+    ap.add_argument("--resident", type=int, default=26,
+                    help="resident pages per layer the arena holds (26: the 1.5B's beside the 0.5B draft in 1390 MiB)")
+    ap.add_argument("--ring-pages", type=int, default=64)
+    ap.add_argument("--out", default="results/capture")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the page-opening steps (<csv name>.profile.txt)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_capture times CUDA-graph captures: it needs a GPU")
+    model = load_model(args.model, torch.bfloat16, "cuda")
+    clock = Clock()
+    instrument_torch(clock)
+    profiler = cProfile.Profile() if args.profile else None
+    df = measure(model, clock, args.context, args.width, args.pages, args.resident, args.ring_pages, profiler)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = out / f"capture_{Path(args.model).name.split('.skeleton')[0]}_{args.context}_w{args.width}.csv"
+    df.to_csv(name, index=False)
+    report(df, f"context {args.context}, width {args.width}")
+    print(f"wrote {name}")
+    if profiler is not None:
+        text = io.StringIO()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+        (out / name.with_suffix(".profile.txt").name).write_text(text.getvalue())
+        print(f"wrote {name.with_suffix('.profile.txt')}")
+
+
+if __name__ == "__main__":
+    main()
