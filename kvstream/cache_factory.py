@@ -124,6 +124,8 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
         raise ValueError(f"context of {max_tokens} tokens exceeds the model's {c.context_length}")
     if cache.residency not in RESIDENCY:
         raise ValueError(f"cache.residency={cache.residency!r}; choose one of {', '.join(RESIDENCY)}")
+    if not str(cache.residency_step).isdigit() or int(cache.residency_step) < 1:
+        raise ValueError(f"cache.residency_step={cache.residency_step!r}: give a whole number of pages >= 1")
     ring = None if str(cache.ring_pages) == "auto" else int(cache.ring_pages)
     slabs = slabs or phase_slabs(cache, model, max_tokens, prefill_chunk, verify_width, all_logits)
     slab = max(slabs.values())
@@ -137,4 +139,4 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
             raise ValueError(f"arena.mib={arena.mib!r}: give a number of MiB or auto") from None
     return PagedCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=max_tokens,
                       type_k=cache.type_k, type_v=cache.type_v, mode=cache.mode, arena=Arena(nbytes, model.device),
-                      ring_pages=ring, slabs=slabs, verify_width=verify_width, residency=RESIDENCY[cache.residency]())
+                      ring_pages=ring, slabs=slabs, verify_width=verify_width, residency=RESIDENCY[cache.residency](step=int(cache.residency_step)))

@@ -43,6 +43,7 @@ class CacheConfig:
     type_v: str = "q4_0"
     ring_pages: str = "auto"   # stream mode: ring slots (K/V page pairs, two halves); auto: one round per layer
     residency: str = "newest"  # newest | sink_newest (policies/residency.py)
+    residency_step: int = 1    # stream mode: the oldest resident pages leave this many at a time (fewer re-captures)
 
 
 @dataclass

@@ -348,11 +348,13 @@ class PagedCache(CacheBase):
             self.tables_host[:, list(pages)] = self.ring_pages + layers * self.capacity + torch.tensor(slots, dtype=torch.int32)
         self.tables.copy_(self.tables_host)
         self._n_pages = n_pages
-        # a captured step depends on the plan only through its copies and round keys: with
-        # nothing streamed, the one round reads the table in place, so a new page keeps graphs
+        # a captured step depends on the plan only through its copies and round keys. In one
+        # round the attention call reads the table in place and no round keys: the copies (the
+        # streamed pages, their grouping) are all, so a new page that leaves them as they were
+        # (nothing streamed, or a residency step) keeps the graphs. Several rounds: new ones.
         self._plan_version += 1
-        streams = len(self.rounds) > 1 or bool(self.rounds[0][2])
-        self._plan_sig = self._plan_version if streams else "resident"
+        self._plan_sig = ("one round", tuple(self.rounds[0][2]), self.group) if len(self.rounds) == 1 else \
+            self._plan_version
 
     def _half(self, layer: int, r: int) -> int:
         return ((layer // self.group) * len(self.rounds) + r) % 2  # consecutive copies alternate halves

@@ -10,23 +10,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def _first_newest(low: int, need: int, step: int, n_pages: int) -> int:
+    """The first of the newest pages: ``need`` (evictions forced by the capacity) rounded up to
+    a multiple of ``step`` above ``low``, and never past the last page."""
+    over = max(0, need - low)
+    return min(low + -(-over // step) * step, max(low, n_pages - 1))
+
+
 @dataclass(frozen=True)
 class NewestResident:
-    """Keep the newest pages: decode writes there, and the tail is what a rollback touches."""
+    """Keep the newest pages: decode writes there, and the tail is what a rollback touches.
+
+    ``step``: the oldest resident pages leave ``step`` at a time, so the streamed set (and with
+    it a captured step's copies) changes once per ``step`` new pages instead of each one, at
+    the price of up to ``step - 1`` pool slots left empty until new pages fill them."""
+
+    step: int = 1
+
+    def __post_init__(self):
+        if self.step < 1:
+            raise ValueError(f"residency step {self.step}: give a whole number of pages >= 1")
 
     def resident(self, n_pages: int, capacity: int) -> range:
-        return range(max(0, n_pages - capacity), n_pages)
+        return range(_first_newest(0, n_pages - capacity, self.step, n_pages), n_pages)
 
 
 @dataclass(frozen=True)
 class SinkAndNewest:
-    """Keep the first ``sink_pages`` pages and the newest ones (attention sinks stay on device)."""
+    """Keep the first ``sink_pages`` pages and the newest ones (attention sinks stay on device);
+    ``step`` as for ``NewestResident``."""
 
     sink_pages: int = 1
+    step: int = 1
+
+    def __post_init__(self):
+        if self.step < 1:
+            raise ValueError(f"residency step {self.step}: give a whole number of pages >= 1")
 
     def resident(self, n_pages: int, capacity: int) -> list[int]:
         sinks = min(self.sink_pages, max(0, capacity - 1), n_pages)  # the tail always gets a slot
-        newest = range(max(sinks, n_pages - (capacity - sinks)), n_pages)
+        newest = range(_first_newest(sinks, n_pages - (capacity - sinks), self.step, n_pages), n_pages)
         return list(range(sinks)) + list(newest)
 
 

@@ -52,8 +52,9 @@ def slabs(model, ring, max_tokens=2048, types=("q8_0", "q4_0")):
     return {"prefill": max(s.values()), "decode": max(s.values())} if model.device.type == "cuda" else s
 
 
-def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048, residency="newest"):
-    cfg = CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring, residency=residency)
+def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048, residency="newest", step=1):
+    cfg = CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring, residency=residency,
+                      residency_step=step)
     fixed = mib is not None and model.device.type == "cuda"
     return make_cache(cfg, ArenaConfig(mib="auto" if mib is None else str(mib)), model, max_tokens, CHUNK,
                       slabs=slabs(model, ring, max_tokens, types) if fixed else None)
@@ -83,6 +84,30 @@ def test_stream_one_round_is_bit_identical_to_resident(model, tokens, resident_l
     logits = run(model, cache, tokens)
     assert cache.capacity == 4 and cache.stats.streamed_pages == 4 and cache.stats.rounds == 1
     assert torch.equal(logits, resident_logits)
+
+
+@pytest.mark.parametrize("step, plans", [(1, 4), (3, 2)])
+def test_a_residency_step_keeps_the_plan_across_page_openings_exactly(model, step, plans):
+    """700 decode steps open pages 8, 9 and 10, with 6 resident pages per layer. With residency
+    step 3 the oldest pages leave 3 at a time: the one-round plan (all a captured step depends
+    on) changes once in the decode instead of three times. The logits equal the resident
+    cache's bit for bit either way (one attention call over the same bytes)."""
+    decode, max_tokens = 700, 3072
+    toks = torch.randint(0, 357, (PROMPT + decode,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = run(model, paged(model, "resident", max_tokens=max_tokens), toks, decode)
+    cache = paged(model, "stream", mib=small_arena_mib(model, 6, 16, max_tokens), ring=16, max_tokens=max_tokens,
+                  step=step)
+    keys, begin = set(), cache.begin
+
+    def tracked(n):
+        pos = begin(n)
+        if cache.phase == "decode":
+            keys.add(cache.plan_key())
+        return pos
+
+    cache.begin = tracked
+    assert torch.equal(run(model, cache, toks, decode), ref)
+    assert cache.capacity == 6 and cache.stats.rounds == 1 and len(keys) == plans
 
 
 def test_auto_ring_streams_each_layer_in_one_round(model, tokens, resident_logits):
