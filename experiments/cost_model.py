@@ -133,10 +133,11 @@ def target_seconds(steps: pd.DataFrame) -> pd.Series:
 
 
 def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
-    """Median extra target time of the steps that open a page while pages stream (the plan's
-    copies change, so its CUDA graphs are re-captured: ~0.1 s on the H200, against ~0.5 s of
-    drafting rounds per page), over the median step of the same run and design point; steps that
-    still pay a transition (``paying``) left out. 0 when no such step, or the steps do not say."""
+    """Mean extra target time of the steps that open a page while pages stream (when the plan's
+    copies change, its CUDA graphs are re-captured: ~0.1 s on the H200, against ~0.5 s of
+    drafting rounds per page; a mean, since with ``cache.residency_step`` k only one opening in
+    k does), over the median step of the same run and design point; steps that still pay a
+    transition (``paying``) left out. 0 when no such step, or the steps do not say."""
     if not {"run_id", "context"} <= set(steps.columns):
         return 0.0
     active = steps["draft_active"].astype(bool)
@@ -149,7 +150,7 @@ def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
     launched = -(-(s["context"] + ~active) // PAGE)
     opens = launched > launched.groupby(s["run_id"]).shift()
     picked = extra[opens & (s["streamed_pages"] > 0) & ~paying & (by.transform("size") >= 3)]
-    return max(0.0, float(picked.median())) if len(picked) else 0.0
+    return max(0.0, float(picked.mean())) if len(picked) else 0.0
 
 
 def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from statistics import median
+from statistics import fmean, median
 
 from kernels.formats import PAGE_TOKENS
 from policies.eject import Action, Snapshot
@@ -29,7 +29,7 @@ from policies.eject import Action, Snapshot
 GOODPUT_WINDOW = 16  # decode batches a state's steady rate looks at
 GOODPUT_MIN = 4      # steady batches in a state before its goodput counts as measured
 CHARGED = 2          # batches after a transition charged to it (graph captures, the draft's catch-up), not to the state
-PAGE_SAMPLES = 8     # page-opening costs the per-page cost is the median of
+PAGE_SAMPLES = 8     # page-opening costs the per-page cost is the mean of
 
 
 @dataclass
@@ -99,11 +99,12 @@ class DraftControl:
 
     @property
     def page_s(self) -> float:
-        """Seconds a streaming state pays once per page: the median of the latest page openings;
-        before the first, what the latest eject's first batches cost beyond the plain rate (the
-        same work: graphs captured for a new plan), else 0."""
+        """Seconds a streaming state pays once per page: the mean of the latest page openings
+        (a mean: with ``cache.residency_step`` k, one opening in k re-captures and the others
+        cost nothing); before the first, what the latest eject's first batches cost beyond the
+        plain rate (the same work: graphs captured for a new plan), else 0."""
         if self.page_costs:
-            return max(0.0, median(self.page_costs))
+            return max(0.0, fmean(self.page_costs))
         return next((t.after_s for t in reversed(self.transitions) if t.action == "eject" and t.after_s is not None),
                     0.0)
 
