@@ -1,7 +1,7 @@
 """What a new streaming plan costs a graphed decode step: the parts of a re-capture, timed.
 
     python -m experiments.bench_capture --model .models/qwen2.5-coder-1.5b.skeleton.gguf \
-        --context 16384 --resident 26 --ring-pages 64 --width 5 --pages 4
+        --context 16384 --resident 26 --ring-pages 64 --width 5 --pages 4 [--residency-step 1 4]
 
 A streaming plan changes whenever a page opens (every 256 tokens): its copies change, so
 ``GraphedModel`` captures the step anew. This prefills ``--context`` random tokens into a
@@ -83,10 +83,10 @@ def instrument(clock: Clock, graphed: GraphedModel, cache) -> None:
 
 @torch.inference_mode()
 def measure(model, clock: Clock, context: int, width: int, pages: int, resident: int, ring_pages: int,
-            profiler: cProfile.Profile | None = None) -> pd.DataFrame:
+            residency_step: int = 1, profiler: cProfile.Profile | None = None) -> pd.DataFrame:
     """One decode across ``pages`` page openings; a row per step."""
     new = pages * 256 + 2 * width
-    cc = CacheConfig(mode="stream", ring_pages=str(ring_pages))
+    cc = CacheConfig(mode="stream", ring_pages=str(ring_pages), residency_step=residency_step)
     slabs = phase_slabs(cc, model, context + new, 512, width)
     # an arena whose decode layout holds ``resident`` pages per layer (the rest streams), and
     # whose prefill layout holds the prefill slab and a few pages per layer
@@ -146,6 +146,8 @@ def main(argv=None) -> None:
     ap.add_argument("--resident", type=int, default=26,
                     help="resident pages per layer the arena holds (26: the 1.5B's beside the 0.5B draft in 1390 MiB)")
     ap.add_argument("--ring-pages", type=int, default=64)
+    ap.add_argument("--residency-step", type=int, nargs="+", default=[1],
+                    help="cache.residency_step; several: one decode each, in this process")
     ap.add_argument("--out", default="results/capture")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the page-opening steps (<csv name>.profile.txt)")
@@ -156,13 +158,17 @@ def main(argv=None) -> None:
     clock = Clock()
     instrument_torch(clock)
     profiler = cProfile.Profile() if args.profile else None
-    df = measure(model, clock, args.context, args.width, args.pages, args.resident, args.ring_pages, profiler)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = out / f"capture_{Path(args.model).name.split('.skeleton')[0]}_{args.context}_w{args.width}.csv"
-    df.to_csv(name, index=False)
-    report(df, f"context {args.context}, width {args.width}")
-    print(f"wrote {name}")
+    for step in args.residency_step:  # one process, one model: the steps compare within the run
+        df = measure(model, clock, args.context, args.width, args.pages, args.resident, args.ring_pages, step, profiler)
+        tag = f"_step{step}" if step > 1 else ""
+        name = out / f"capture_{Path(args.model).name.split('.skeleton')[0]}_{args.context}_w{args.width}{tag}.csv"
+        df.to_csv(name, index=False)
+        report(df, f"context {args.context}, width {args.width}, residency step {step}")
+        print(f"{len(df)} steps in {df.wall_s.sum():.3f} s ({df.wall_s.mean() * 1e3:.2f} ms per step, "
+              f"{(df.captured > 0).sum()} captures)")
+        print(f"wrote {name}")
     if profiler is not None:
         text = io.StringIO()
         for order in ("tottime", "cumulative"):
