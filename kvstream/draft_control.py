@@ -29,7 +29,7 @@ from policies.eject import Action, Snapshot
 GOODPUT_WINDOW = 16  # decode batches a state's steady rate looks at
 GOODPUT_MIN = 4      # steady batches in a state before its goodput counts as measured
 CHARGED = 2          # batches after a transition charged to it (graph captures, the draft's catch-up), not to the state
-PAGE_SAMPLES = 8     # page-opening costs the per-page cost is the mean of
+PAGE_SAMPLES = 8     # residency steps of page openings the per-page cost is the mean of
 
 
 @dataclass
@@ -63,7 +63,10 @@ class DraftControl:
         self.since = 1 << 30  # no transition yet: hysteresis must not hold off the first one
         self.streaming = False  # the working set exceeds the draft-active capacity
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
-        self.page_costs: deque[float] = deque(maxlen=PAGE_SAMPLES)  # seconds a page opening took beyond the steady rate
+        # seconds a page opening took beyond the steady rate; whole residency steps of them (one
+        # opening in a step re-captures), so the mean counts the same number of re-captures
+        step = getattr(getattr(cache, "residency", None), "step", 1)
+        self.page_costs: deque[float] = deque(maxlen=PAGE_SAMPLES * step)
         self._pages: int | None = None  # pages per layer of the latest step launched, after the previous batch
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []

@@ -164,7 +164,7 @@ class PagedCache(CacheBase):
         self._n_staged = 0
         self._layout_version = self._plan_version = 0
         self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
-        self._primed = None  # the plan whose first round ring half 0 holds, copied by the last step's end
+        self._primed = None  # the plan_key (layout and plan) whose first round ring half 0 holds, copied by the last step's end
         self.slab_pool: SlabPool | None = None  # CUDA: the current phase's compute buffers, in the slab
         self.relayout(slabs["prefill"])
 
@@ -387,7 +387,7 @@ class PagedCache(CacheBase):
             self._len.fill_(self.length + n)
         self.pos, self.slots = pos, slots
         self._wrap = self.phase == "decode" and n <= MAX_N_Q and bool(self.rounds[0][2])
-        if self._wrap and self._primed != self._plan_sig:  # a new plan: the ring holds another first round
+        if self._wrap and self._primed != self.plan_key():  # a new plan or layout: the ring holds another first round
             self.copier.reset()  # after the last step's readers of half 0
             self._prefetch(0, 0)
             self.copier.wait(0)  # eager, before any captured step: the step itself never waits for it
@@ -515,7 +515,7 @@ class PagedCache(CacheBase):
             for host, rows in self._page_rows(p):
                 self.copier.write_back(host, rows)
         self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
-        self._primed = self._plan_sig if self._wrap else None  # this step's end copied its first round
+        self._primed = self.plan_key() if self._wrap else None  # this step's end copied its first round
         super().commit()
 
     def forget_ring(self) -> None:

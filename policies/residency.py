@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def _first_newest(low: int, need: int, step: int, n_pages: int) -> int:
+def _first_newest(low: int, need: int, step: int, room: int) -> int:
     """The first of the newest pages: ``need`` (evictions forced by the capacity) rounded up to
-    a multiple of ``step`` above ``low``, and never past the last page."""
-    over = max(0, need - low)
-    return min(low + -(-over // step) * step, max(low, n_pages - 1))
+    a multiple of ``step`` above ``low``. A step beyond ``room`` (the pool slots the newest pages
+    share) acts as ``room``: larger, the newest page alone would be resident for several pages."""
+    step = max(1, min(step, room))
+    return low + -(-max(0, need - low) // step) * step
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class NewestResident:
 
     ``step``: the oldest resident pages leave ``step`` at a time, so the streamed set (and with
     it a captured step's copies) changes once per ``step`` new pages instead of each one, at
-    the price of up to ``step - 1`` pool slots left empty until new pages fill them."""
+    the price of up to ``step - 1`` pool slots left empty until new pages fill them (a step
+    beyond the capacity acts as the capacity)."""
 
     step: int = 1
 
@@ -32,7 +34,7 @@ class NewestResident:
             raise ValueError(f"residency step {self.step}: give a whole number of pages >= 1")
 
     def resident(self, n_pages: int, capacity: int) -> range:
-        return range(_first_newest(0, n_pages - capacity, self.step, n_pages), n_pages)
+        return range(_first_newest(0, n_pages - capacity, self.step, capacity), n_pages)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class SinkAndNewest:
 
     def resident(self, n_pages: int, capacity: int) -> list[int]:
         sinks = min(self.sink_pages, max(0, capacity - 1), n_pages)  # the tail always gets a slot
-        newest = range(_first_newest(sinks, n_pages - (capacity - sinks), self.step, n_pages), n_pages)
+        newest = range(_first_newest(sinks, n_pages - (capacity - sinks), self.step, capacity - sinks), n_pages)
         return list(range(sinks)) + list(newest)
 
 

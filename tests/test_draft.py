@@ -69,9 +69,9 @@ def arena_mib(model, host, pages_per_layer, ring=4, **kw):
     return (fixed + (SPEC.n_layers * pages_per_layer + ring + 1) * pair_bytes() - 1) / MIB
 
 
-def target_cache(model, mib, ring=4):
-    return make_cache(CacheConfig(mode="stream", ring_pages=str(ring)), ArenaConfig(mib=str(mib)), model, 1024, CHUNK,
-                      verify_width=9)
+def target_cache(model, mib, ring=4, step=1):
+    return make_cache(CacheConfig(mode="stream", ring_pages=str(ring), residency_step=step), ArenaConfig(mib=str(mib)),
+                      model, 1024, CHUNK, verify_width=9)
 
 
 class CountingModel:
@@ -167,6 +167,16 @@ def test_eject_gives_the_draft_bytes_to_the_page_pool_and_reenable_takes_them_ba
         cache.rearrange(lambda: draft.pin(arena))
         assert (arena.top, arena.pinned, cache.layout, cache.capacity) == state
     assert control.capacity_without == min(layout0.pool_pages // SPEC.n_layers, cache.max_pages)
+
+
+def test_the_page_cost_is_the_mean_over_whole_residency_steps(model, host):
+    """With residency step 3 one page opening in 3 re-captures: the per-page cost averages the
+    latest 8 steps of openings (24), so it always holds 8 re-captures whatever the phase."""
+    control = DraftControl(new_draft(host), target_cache(model, arena_mib(model, host, 2), step=3),
+                           Scripted(at=-1, back=-1))
+    for i in range(40):
+        control.page_costs.append(0.09 if i % 3 == 0 else 0.0)
+        assert len(control.page_costs) < 24 or control.page_s == pytest.approx(0.03)
 
 
 @pytest.mark.parametrize("queued", [0, 1])

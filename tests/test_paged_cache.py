@@ -466,3 +466,27 @@ def test_page_tables_map_every_page_where_the_plan_puts_it(layers, max_pages, ca
             for p, j in cache.slot.items():
                 assert cache.tables_host[l, p] == cache.ring_pages + l * cache.capacity + j
         assert torch.equal(cache.tables, cache.tables_host)
+
+
+def test_a_re_layout_that_keeps_the_streamed_set_copies_the_first_round_again(model):
+    """A re-layout (a pin, as a draft's re-enable makes) that leaves the one-round plan's
+    streamed pages as they were still moves the ring's V rows (they follow the pool): the next
+    step must copy its first round again, not trust the one the last step's end copied. Eager
+    decode across it equals the resident cache bit for bit."""
+    decode, max_tokens = 40, 3072
+    toks = torch.randint(0, 357, (PROMPT + decode,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = run(model, paged(model, "resident", max_tokens=max_tokens), toks, decode)
+    cache = paged(model, "stream", mib=small_arena_mib(model, 6, 16, max_tokens), ring=16, max_tokens=max_tokens,
+                  step=3)
+    out = [prefill(model, cache, toks[:PROMPT], CHUNK)]
+    cache.set_phase("decode")
+    streamed, v_offset = list(cache.rounds[0][2]), cache.layout.v_offset
+    with torch.inference_mode():
+        for i, t in enumerate(toks[PROMPT:PROMPT + decode - 1]):
+            if i == decode // 2:  # one page pair pinned: a resident page per layer fewer, same streamed pages
+                cache.rearrange(lambda: cache.arena.pin("extra", (pair_bytes() * 2,), torch.uint8))
+            out.append(model(torch.tensor([t], device=model.device), cache)[-1])
+            if i == decode // 2:
+                assert cache.capacity == 5 and list(cache.rounds[0][2]) == streamed
+                assert cache.layout.v_offset != v_offset
+    assert torch.equal(torch.stack(out), ref)
