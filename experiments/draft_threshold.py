@@ -128,6 +128,26 @@ def provenance() -> dict:
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
 
 
+def check_columns(runs: Path) -> None:
+    """``runs`` must have this code's columns. Rows written by older code, whose columns are some
+    of these in the same order, gain the new ones (empty: not measured then), every row kept;
+    any other header is refused, rather than rows appended under shifted columns."""
+    have = tuple(pd.read_csv(runs, nrows=0).columns)
+    if have == ROW_COLUMNS:
+        return
+    if set(have) < set(ROW_COLUMNS) and list(have) == [c for c in ROW_COLUMNS if c in have]:
+        rows = pd.read_csv(runs, dtype={"run_id": str}, keep_default_na=False)
+        tmp = runs.with_suffix(".csv.tmp")
+        rows.reindex(columns=list(ROW_COLUMNS)).to_csv(tmp, index=False)
+        tmp.replace(runs)  # whole or not at all
+        print(f"{runs}: written by older code; added the columns {[c for c in ROW_COLUMNS if c not in have]} "
+              f"(empty for its {len(rows)} rows)", flush=True)
+        return
+    raise ValueError(f"{runs} has other columns than this code writes (only there: "
+                     f"{sorted(set(have) - set(ROW_COLUMNS))}, only here: {sorted(set(ROW_COLUMNS) - set(have))}): "
+                     f"start a new study folder (study=...)")
+
+
 def run_cell(cfg: StudyConfig) -> dict | None:
     """Run one cell unless its row exists; returns the row (None: skipped)."""
     out = Path(cfg.results) / cfg.study
@@ -137,10 +157,8 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         resolved.pop(key)
     run_id = hashlib.sha1(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:12]
     runs = out / "runs.csv"
-    if runs.exists() and tuple(have := pd.read_csv(runs, nrows=0).columns) != ROW_COLUMNS:  # before any decoding
-        raise ValueError(f"{runs} has other columns than this code writes (only there: "
-                         f"{sorted(set(have) - set(ROW_COLUMNS))}, only here: {sorted(set(ROW_COLUMNS) - set(have))}): "
-                         f"start a new study folder (study=...)")
+    if runs.exists():  # before any decoding
+        check_columns(runs)
     if runs.exists() and run_id in set(pd.read_csv(runs, usecols=["run_id"], dtype=str)["run_id"]):
         print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep}: done before ({run_id}), skipped")
         return None

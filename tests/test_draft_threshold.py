@@ -128,10 +128,28 @@ def test_gathered_steps_keep_run_ids_that_look_like_numbers(tmp_path):
 def test_a_row_is_not_appended_under_another_header(tiny, tmp_path):
     """rows.csv written by other code (other columns) is refused, not appended with shifted columns."""
     (tmp_path / "t").mkdir()
-    pd.DataFrame({"run_id": ["x"], "decode_tok_s": [1.0]}).to_csv(tmp_path / "t" / "runs.csv", index=False)
+    pd.DataFrame({"run_id": ["x"], "tok_per_s": [1.0]}).to_csv(tmp_path / "t" / "runs.csv", index=False)
     with pytest.raises(ValueError, match=r"other columns .* start a new study folder"):
         run_cell(study_cfg(tiny, tmp_path, arm="none", max_new_tokens=4))
     assert not (tmp_path / "t" / "steps").exists()  # refused before decoding anything
+
+
+def test_rows_of_older_code_gain_the_new_columns_and_are_kept(tmp_path):
+    """runs.csv from before a column was added (here beyond_arena_mib) gains it, empty, with
+    every row and value as it was (a run id that reads as a number included); then it passes."""
+    from experiments.draft_threshold import ROW_COLUMNS, check_columns
+
+    old = [c for c in ROW_COLUMNS if c != "beyond_arena_mib"]
+    rows = pd.DataFrame([{c: f"{c}-{i}" for c in old} for i in range(3)]).assign(run_id=["187938e31365", "a", "b"])
+    rows.to_csv(tmp_path / "runs.csv", index=False)
+    check_columns(tmp_path / "runs.csv")
+    got = pd.read_csv(tmp_path / "runs.csv", dtype=str, keep_default_na=False)
+    assert tuple(got.columns) == ROW_COLUMNS and (got["beyond_arena_mib"] == "").all()
+    assert got[old].equals(rows.astype(str))
+    check_columns(tmp_path / "runs.csv")  # now this code's header: nothing to do
+    pd.DataFrame({"run_id": ["x"], "decode_tok_s": [1.0], "arm": ["none"]}).to_csv(tmp_path / "other.csv", index=False)
+    with pytest.raises(ValueError, match="other columns"):  # ROW_COLUMNS' names, another order: refused
+        check_columns(tmp_path / "other.csv")
 
 
 def test_a_sweep_says_which_cells_failed_as_they_fail(tiny, tmp_path):
