@@ -157,7 +157,7 @@ def test_a_sweep_says_which_cells_failed_as_they_fail(tiny, tmp_path):
     import subprocess
     import sys
     (tmp_path / "t").mkdir()
-    pd.DataFrame({"run_id": ["x"]}).to_csv(tmp_path / "t" / "runs.csv", index=False)
+    pd.DataFrame({"run_id": ["x"], "tok_per_s": [1.0]}).to_csv(tmp_path / "t" / "runs.csv", index=False)  # foreign
     cmd = [sys.executable, "-m", "experiments.draft_threshold", "--multirun", f"model.source={tiny[0]}",
            f"spec.draft.source={tiny[1]}", "hardware=cpu", f"results={tmp_path}", "study=t", "arm=none,keep",
            "max_new_tokens=4", "progress=false"]
