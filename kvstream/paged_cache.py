@@ -73,9 +73,9 @@ class _Copier:
         self.cuda = device.type == "cuda"
         if self.cuda:
             # an int: torch.cuda.current_stream(None or a device) looks the device index up on
-            # each call, and capturing a step makes ~700 of these calls (results/capture)
-            self.device = device.index if device.index is not None else torch.cuda.current_device()
-            self.stream = torch.cuda.Stream(self.device)
+            # each call, and a captured pass makes ~240 of these calls (results/capture)
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+            self.stream = torch.cuda.Stream(self.index)
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
             self.free = [torch.cuda.Event(), torch.cuda.Event()]
 
@@ -96,7 +96,7 @@ class _Copier:
         if not self.cuda:
             dst.copy_(src)
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(torch.cuda.current_stream(self.index))
         copy_rows(dst, src, self.stream)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -105,25 +105,25 @@ class _Copier:
         if not self.cuda:
             dst.copy_(src)
             return
-        copy_rows(dst, src, torch.cuda.current_stream(self.device))
+        copy_rows(dst, src, torch.cuda.current_stream(self.index))
 
     def reset(self) -> None:
         """Both ring halves are free once the compute stream's work so far is done. Recorded
         afresh by every step (and eagerly before copies issued outside one): an event last
         recorded inside a graph capture cannot be waited on outside it."""
         if self.cuda:
-            s = torch.cuda.current_stream(self.device)
+            s = torch.cuda.current_stream(self.index)
             for e in self.free:
                 e.record(s)
 
     def wait(self, half: int | None = None) -> None:
         if self.cuda:
-            s = torch.cuda.current_stream(self.device)
+            s = torch.cuda.current_stream(self.index)
             s.wait_event(self.ready[half]) if half is not None else s.wait_stream(self.stream)
 
     def release(self, half: int) -> None:
         if self.cuda:
-            self.free[half].record(torch.cuda.current_stream(self.device))
+            self.free[half].record(torch.cuda.current_stream(self.index))
 
 
 class PagedCache(CacheBase):
@@ -279,7 +279,7 @@ class PagedCache(CacheBase):
         pool = self.arena.pool_pages(slab, ring, self.layout.pair, extra)
         return min(pool // self.n_layers, self.max_pages)
 
-    def _pool_slot(self, layer: int, j: int) -> int:
+    def _pool_slot(self, layer, j):  # ints, or int tensors (every layer at once)
         return self.ring_pages + layer * self.capacity + j
 
     def _page_rows(self, p: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -337,15 +337,14 @@ class PagedCache(CacheBase):
         self.group = group_size(self.n_layers, half // streamed) if len(self.rounds) == 1 and streamed else 1
         # the page tables, a column per page for all layers at once (per-element writes from
         # Python took 5-20 ms per plan at 28 layers x 128 pages: results/capture)
-        layers = torch.arange(self.n_layers, dtype=torch.int32)[:, None]
+        layers = torch.arange(self.n_layers, dtype=torch.int32)[:, None]  # _half and _pool_slot take it whole
         for r, (_, _, pages) in enumerate(self.rounds):
             if pages:
-                half_of = ((layers // self.group) * len(self.rounds) + r) % 2  # as _half(layer, r)
-                base = half_of * half + (layers % self.group) * len(pages)  # a group's layers side by side
+                base = self._half(layers, r) * half + (layers % self.group) * len(pages)  # a group's layers side by side
                 self.tables_host[:, pages] = base + torch.arange(len(pages), dtype=torch.int32)
         if self.slot:
             pages, slots = zip(*self.slot.items())
-            self.tables_host[:, list(pages)] = self.ring_pages + layers * self.capacity + torch.tensor(slots, dtype=torch.int32)
+            self.tables_host[:, list(pages)] = self._pool_slot(layers, torch.tensor(slots, dtype=torch.int32))
         self.tables.copy_(self.tables_host)
         self._n_pages = n_pages
         # a captured step depends on the plan only through its copies and round keys. In one
@@ -356,7 +355,7 @@ class PagedCache(CacheBase):
         self._plan_sig = ("one round", tuple(self.rounds[0][2]), self.group) if len(self.rounds) == 1 else \
             self._plan_version
 
-    def _half(self, layer: int, r: int) -> int:
+    def _half(self, layer, r: int):  # layer: an int, or an int tensor
         return ((layer // self.group) * len(self.rounds) + r) % 2  # consecutive copies alternate halves
 
     # ---- the cache interface ------------------------------------------------------------
