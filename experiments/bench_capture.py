@@ -11,9 +11,9 @@ a re-capture runs (the functions are wrapped, so the times are the real calls'):
 ``cache.begin`` (with the residency plan and the eager first-round copy), the warm-up body,
 ``torch.cuda.graph``'s entry (synchronize, empty_cache, the host cache's), the captured body,
 ``capture_end`` (instantiation), and the rest of the step (the new graph's first replay).
-Writes ``<out>/capture_<model>_<context>_w<width>.csv`` (one row per step) and prints the
-steady step, each plan-change step and its excess by part; ``--profile`` adds a cProfile of
-the plan-change steps.
+Writes ``<out>/capture_<model>_<context>_w<width>.csv`` (one row per step, with the model, the
+command, the commit, the GPU and the versions) and prints the steady step, each plan-change
+step and its excess by part; ``--profile`` adds a cProfile of the plan-change steps.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ import copy
 import cProfile
 import io
 import pstats
+import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import torch
 
+from experiments.draft_threshold import provenance
 from kvstream.arena import MIB
 from kvstream.cache_factory import make_cache, paged_bytes, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
@@ -166,7 +168,8 @@ def main(argv=None) -> None:
         df = measure(model, clock, args.context, args.width, args.pages, args.resident, args.ring_pages, step, profiler)
         tag = f"_step{step}" if step > 1 else ""
         name = out / f"capture_{Path(args.model).name.split('.skeleton')[0]}_{args.context}_w{args.width}{tag}.csv"
-        df.to_csv(name, index=False)
+        df.assign(model=args.model, command=" ".join(["python -m experiments.bench_capture", *sys.argv[1:]]),
+                  **provenance()).to_csv(name, index=False)
         report(df, f"context {args.context}, width {args.width}, residency step {step}")
         print(f"{len(df)} steps in {df.wall_s.sum():.3f} s ({df.wall_s.mean() * 1e3:.2f} ms per step, "
               f"{(df.captured > 0).sum()} captures)")
