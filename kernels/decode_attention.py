@@ -39,7 +39,10 @@ from kernels.store import check_pool
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_N_Q = 16
 
-MERGE_BLOCK_S, MERGE_BLOCK_D = 256, 32  # merge: splits per pass, columns per program
+# merge: splits per pass, columns per program. A grid of at most one program per SM (n_q = 1:
+# 12 rows x 4) is latency-bound: one pass over up to 512 splits (4.7 -> 3.4 us at 264 splits on
+# the H200); larger grids keep 256 (512 was slower at n_q = 6, 528 splits: 12.9 vs 10.4 us)
+MERGE_BLOCK_S, MERGE_BLOCK_S_FEW, MERGE_BLOCK_D = 256, 512, 32
 # BLOCK_M (query rows per KV head, padded) -> (BLOCK_N keys per tile, num_warps, num_stages,
 # programs per SM that split-K aims for). Swept on the H200 (sm_90) at head_dim 128, 64K,
 # q8_0/q4_0 and f16/f16 (bench_kernels.py --sweep, kernels/NOTES.md). The kernel is bound by
@@ -134,7 +137,7 @@ def _decode_attention_kernel(
         o_k = i_t * BLOCK_N + tl.arange(0, BLOCK_N)  # logical key positions
         m_k = (o_k >= ks) & (o_k < ke)
         b_k_lo, b_k_hi = load_tile(k_pool, page, row0, m_k, K_FMT, HEAD_DIM, K_PAGE_BYTES,
-                                   K_SCALE_OFF, BLOCK_N, tl.float16, ASM)
+                                   K_SCALE_OFF, BLOCK_N, tl.float16, ASM, FLAT=True)
         b_s = tl.dot(b_q_lo, tl.trans(b_k_lo))
         b_s = tl.dot(b_q_hi, tl.trans(b_k_hi), b_s)
         b_s = tl.where(m_k[None, :] & (o_k[None, :] <= q_pos[:, None]), b_s, float("-inf"))
@@ -144,7 +147,7 @@ def _decode_attention_kernel(
         b_p = tl.exp2(b_s - b_m_use[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_v_lo, b_v_hi = load_tile(v_pool, page, row0, m_k, V_FMT, HEAD_DIM, V_PAGE_BYTES,
-                                   V_SCALE_OFF, BLOCK_N, tl.float16, ASM)
+                                   V_SCALE_OFF, BLOCK_N, tl.float16, ASM, FLAT=True)
         b_p = b_p.to(tl.float16)
         b_acc_lo = tl.dot(b_p, b_v_lo, b_acc_lo * b_alpha[:, None])
         b_acc_hi = tl.dot(b_p, b_v_hi, b_acc_hi * b_alpha[:, None])
@@ -198,7 +201,8 @@ def _merge_kernel(
         b_m_use = tl.where(b_mx_new == float("-inf"), 0.0, b_mx_new)
         b_alpha = tl.exp2(b_mx - b_m_use)
         b_w = tl.exp2(b_ms - b_m_use)  # empty splits (m = -inf) weigh 0
-        m_a = (m_s & (b_ls > 0))[:, None] & (o_d >= 0)[None, :]  # skip empty splits' bytes
+        # not masked by l > 0: the acc loads then wait for nothing (empty splits hold zeros)
+        m_a = m_s[:, None] & (o_d >= 0)[None, :]
         b_a = tl.load(part_acc + (o_s * N_ROWS + i_r)[:, None] * HEAD_DIM + o_d[None, :],
                       mask=m_a, other=0.0)
         b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_a, 0)
@@ -314,7 +318,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
 def merge(*parts: Partials, out: torch.Tensor | None = None,
           dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Combine partials over disjoint key sets (any split counts) -> out [n_q, n_heads, D]."""
+    """Combine partials over disjoint key sets (any split counts) -> out [n_q, n_heads, D].
+    An empty split (m = -inf, l = 0) weighs 0, and its acc is read: it must be finite (the
+    attention kernel writes zeros)."""
     if not parts:
         raise ValueError("merge needs at least one Partials")
     n_q, n_heads, d = parts[0].acc.shape[1:]
@@ -331,8 +337,10 @@ def merge(*parts: Partials, out: torch.Tensor | None = None,
     if out.shape != (n_q, n_heads, d) or out.stride(-1) != 1:
         raise ValueError(f"out must be [{n_q}, {n_heads}, {d}] with last dim contiguous, got "
                          f"{tuple(out.shape)} stride {out.stride()}")
-    block_s = min(MERGE_BLOCK_S, triton.next_power_of_2(m.shape[0]))
-    _merge_kernel[(n_q * n_heads, d // MERGE_BLOCK_D)](
+    grid = (n_q * n_heads, d // MERGE_BLOCK_D)
+    most = MERGE_BLOCK_S_FEW if grid[0] * grid[1] <= _n_sm(m.device) else MERGE_BLOCK_S
+    block_s = min(most, triton.next_power_of_2(m.shape[0]))
+    _merge_kernel[grid](
         m, l, acc, out, m.shape[0], out.stride(0), out.stride(1),
         N_ROWS=n_q * n_heads, N_HEADS=n_heads, HEAD_DIM=d, BLOCK_S=block_s,
         BLOCK_D=MERGE_BLOCK_D, num_warps=4,

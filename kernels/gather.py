@@ -77,6 +77,32 @@ def _dequant(b_q, b_s, KIND: tl.constexpr, OUT_DTYPE: tl.constexpr, ASM: tl.cons
 
 
 @triton.jit
+def _load_flat(pool, page, o_r, m_n, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_BYTES: tl.constexpr,
+               SCALE_OFF: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """``load_tile(FLAT=True)`` of a q8_0 / q4_0 page: the quants through 2-D pointers; the
+    scales load as [BLOCK_N, NB] and broadcast in registers (2-D scale pointers made Triton
+    load every element's scale separately)."""
+    NB: tl.constexpr = HEAD_DIM // 32
+    HD2: tl.constexpr = HEAD_DIM // 2
+    o_c = tl.arange(0, HD2)[None, :]
+    m_e = m_n[:, None] & (o_c >= 0)
+    p_page = pool + page * PAGE_BYTES
+    p_s = (p_page + SCALE_OFF).to(tl.pointer_type(tl.float16))
+    o_b = tl.arange(0, NB)[None, :]
+    b_s = tl.load(p_s + o_r[:, None] * NB + o_b, mask=m_n[:, None] & (o_b >= 0), other=0.0)
+    b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, NB, 16)), (BLOCK_N, HD2))
+    if FMT == 1:  # q8_0: the lo half's column c is element (c // 16) * 32 + c % 16 of the row
+        p_q = p_page + o_r[:, None] * HEAD_DIM + (o_c // 16) * 32 + o_c % 16
+        b_lo = _dequant(tl.load(p_q, mask=m_e, other=0), b_s, 1, OUT_DTYPE, ASM)
+        b_hi = _dequant(tl.load(p_q + 16, mask=m_e, other=0), b_s, 1, OUT_DTYPE, ASM)
+    else:  # q4_0: byte c of the row holds the lo half's column c (low nibble) and the hi half's
+        b_q = tl.load(p_page + o_r[:, None] * HD2 + o_c, mask=m_e, other=0)
+        b_lo = _dequant(b_q, b_s, 2, OUT_DTYPE, ASM)
+        b_hi = _dequant(b_q, b_s, 3, OUT_DTYPE, ASM)
+    return b_lo, b_hi
+
+
+@triton.jit
 def load_tile(
     pool,  # [n_pages, PAGE_BYTES] uint8
     page,  # int64 scalar: pool page (page * PAGE_BYTES may pass 2^31)
@@ -89,13 +115,21 @@ def load_tile(
     BLOCK_N: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     ASM: tl.constexpr,
+    FLAT: tl.constexpr = False,
 ):
     """Rows [row0, row0 + BLOCK_N) of a page, dequantized to OUT_DTYPE (exact, then one
     rounding), as halves (lo, hi), each [BLOCK_N, HEAD_DIM // 2]: lo holds elements 0..15 of
     every 32-block, hi 16..31 (the q4_0 nibble split; q8_0 / f16 use it too so callers have
-    one code path). ASM: use the PTX fast path (CUDA only)."""
+    one code path). ASM: use the PTX fast path (CUDA only). FLAT: address the quants of
+    q8_0 / q4_0 with 2-D pointers (column c = element (c // 16) * 32 + c % 16) instead of 3-D
+    ones reshaped after the load. For a tile that feeds tl.dot, Triton then swizzles the
+    bytes it stages in shared memory; the 3-D form got an unswizzled layout, whose bank
+    conflicts made decode attention 11-27% slower (kernels/NOTES.md). Gather has no shared
+    memory stage: it keeps the 3-D form."""
     NB: tl.constexpr = HEAD_DIM // 32
     o_r = row0 + tl.arange(0, BLOCK_N)  # int32: offsets inside a page
+    if FLAT and FMT != 0:
+        return _load_flat(pool, page, o_r, m_n, FMT, HEAD_DIM, PAGE_BYTES, SCALE_OFF, BLOCK_N, OUT_DTYPE, ASM)
     o_e = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]  # [1, NB, 16]
     m_e = m_n[:, None, None] & (o_e >= 0)
     p_page = pool + page * PAGE_BYTES
