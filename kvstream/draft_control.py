@@ -65,8 +65,8 @@ class DraftControl:
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         # seconds a page opening took beyond the steady rate; whole residency steps of them (one
         # opening in a step re-captures), so the mean counts the same number of re-captures
-        step = getattr(getattr(cache, "residency", None), "step", 1)
-        self.page_costs: deque[float] = deque(maxlen=PAGE_SAMPLES * step)
+        self.step = getattr(getattr(cache, "residency", None), "step", 1)
+        self.page_costs: deque[float] = deque(maxlen=PAGE_SAMPLES * self.step)
         self._pages: int | None = None  # pages per layer of the latest step launched, after the previous batch
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []
@@ -105,11 +105,13 @@ class DraftControl:
         """Seconds a streaming state pays once per page: the mean of the latest page openings
         (a mean: with ``cache.residency_step`` k, one opening in k re-captures and the others
         cost nothing); before the first, what the latest eject's first batches cost beyond the
-        plain rate (the same work: graphs captured for a new plan), else 0."""
+        plain rate (the same work: graphs captured for a new plan) over k, else 0. Not over k,
+        that stand-in made a kept draft look 11% slower than it ran at 10240 tokens with k = 3
+        (results/draft_threshold_h200_perfect_long_step3), and auto never re-enabled it."""
         if self.page_costs:
             return max(0.0, fmean(self.page_costs))
-        return next((t.after_s for t in reversed(self.transitions) if t.action == "eject" and t.after_s is not None),
-                    0.0)
+        return next((t.after_s / self.step for t in reversed(self.transitions)
+                     if t.action == "eject" and t.after_s is not None), 0.0)
 
     def _streams(self, state: bool, pages: int) -> bool:
         """Whether ``state`` (draft pinned or not) streams pages at ``pages`` pages per layer."""
