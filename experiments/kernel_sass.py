@@ -1,0 +1,134 @@
+"""What decode attention compiles to on an H200, on a machine without a GPU.
+
+Triton compiles for a target, not for a device: this builds ``_decode_attention_kernel`` for
+sm_90 with the pointer and stride divisibility a real launch specializes on (without it the
+tiles compile to byte loads), disassembles the cubin with the nvdisasm bundled in Triton, and
+prints the registers, the shared memory, the shared-memory layouts the TTGIR chose, and the
+instruction mix of the key loop's body (its largest backward branch). Counts per thread per
+tile; the loop is what runs per 64 or 128 keys.
+
+    python -m experiments.kernel_sass                       # q8_0/q4_0, n_q 1 and 6
+    python -m experiments.kernel_sass --pair q8_0 q8_0 --n-q 1 2 --out /tmp/sass
+
+Match the device's Triton (3.6 on the lent H200): another version compiles other code. One
+way, without touching the environment: ``pip install --target /tmp/t36 --no-deps
+triton==3.6.0`` and run with ``PYTHONPATH=/tmp/t36``. kernels/NOTES.md (version 7) shows what
+this found: unswizzled byte tiles in shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import decode_attention as da
+from kernels.formats import PageFormat
+
+POINTERS = {"q": "*fp16", "k_pool": "*u8", "v_pool": "*u8", "page_table": "*i32", "p_len": "*i64",
+            "p_start": "*i64", "p_end": "*i64", "out": "*fp16", "part_m": "*fp32", "part_l": "*fp32",
+            "part_acc": "*fp32"}
+SHARED_OPS = r"\b(LDS|STS|LDSM|STSM|BAR)\S*"
+
+
+def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
+    """The decode kernel as ``decode_attention`` launches it for these shapes (its LAUNCH row)."""
+    kf, vf = PageFormat(pair[0], n_kv_heads, head_dim), PageFormat(pair[1], n_kv_heads, head_dim)
+    gqa = n_heads // n_kv_heads
+    block_m = max(16, triton.next_power_of_2(n_q * gqa))
+    block_n, num_warps, num_stages, _ = da.LAUNCH[block_m]
+    const = dict(N_Q=n_q, GQA=gqa, N_HEADS=n_heads, HEAD_DIM=head_dim, K_FMT=kf.kv_type.code,
+                 K_PAGE_BYTES=kf.page_bytes, K_SCALE_OFF=kf.scale_offset, V_FMT=vf.kv_type.code,
+                 V_PAGE_BYTES=vf.page_bytes, V_SCALE_OFF=vf.scale_offset, BLOCK_M=block_m,
+                 BLOCK_N=block_n, HAS_START=False, HAS_END=False, WRITE_OUT=False, ASM=True)
+    kern = da._decode_attention_kernel
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(kern.params):
+        if p.is_constexpr:
+            sig[p.name], consts[(i,)] = "constexpr", const[p.name]
+            continue
+        sig[p.name] = POINTERS.get(p.name, "fp32" if p.name == "sm_scale" else "i32")
+        if p.name in POINTERS or p.name.startswith("stride"):  # what a launch specializes on
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", name)
+
+
+def disassemble(compiled) -> tuple[str, str]:
+    """(SASS, resource usage) of a compiled kernel's cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return sass, res
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the largest loop: from a label to the branch back to it."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    best = (0, -1)
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
+            best = (labels[m.group(1)], i)
+    return [line for line in lines[best[0]:best[1] + 1] if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+
+
+def opcode(line: str, full: bool = False) -> str:
+    op = re.sub(r"^.*\*/\s*(@!?U?P\w+\s+)?", "", line).strip().split(" ")[0].rstrip(";")
+    return op if full else op.split(".")[0]
+
+
+def report(pair, n_q, out=None) -> dict:
+    c = compile_decode(pair, n_q)
+    sass, res = disassemble(c)
+    body = loop_body(sass)
+    mix = collections.Counter(opcode(line) for line in body)
+    shared = collections.Counter(opcode(line, full=True) for line in body if re.search(SHARED_OPS, line))
+    layouts = sorted(set(re.findall(r"#ttg\.swizzled_shared<\{[^}]*\}>", c.asm["ttgir"])))
+    regs = re.search(r"REG:(\d+)", res)
+    row = dict(pair="/".join(pair), n_q=n_q, registers=int(regs.group(1)) if regs else None,
+               shared_bytes=c.metadata.shared, loop_instructions=len(body))
+    print(f"{row['pair']} n_q={n_q}: {row['registers']} registers, {row['shared_bytes']} B shared, "
+          f"loop body {len(body)} instructions")
+    print("  mix:   " + ", ".join(f"{k} {n}" for k, n in mix.most_common(16)))
+    print("  shared:" + ", ".join(f" {k} {n}" for k, n in sorted(shared.items())))
+    print("  layouts: " + "; ".join(layouts))
+    if out:
+        os.makedirs(out, exist_ok=True)
+        stem = os.path.join(out, f"decode_{pair[0]}_{pair[1]}_nq{n_q}")
+        for ext, text in (("sass", sass), ("ttgir", c.asm["ttgir"]), ("ptx", c.asm["ptx"])):
+            with open(f"{stem}.{ext}", "w") as f:
+                f.write(text)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", nargs=2, default=["q8_0", "q4_0"], metavar=("K", "V"), help="K and V page types")
+    p.add_argument("--n-q", type=int, nargs="+", default=[1, 6], help="query rows (1 + draft tokens)")
+    p.add_argument("--out", help="also write each kernel's SASS, TTGIR and PTX here")
+    args = p.parse_args(argv)
+    print(f"triton {triton.__version__}, sm_90")
+    return [report(tuple(args.pair), n_q, args.out) for n_q in args.n_q]
+
+
+if __name__ == "__main__":
+    main()
