@@ -6,6 +6,10 @@ draft KV and its compute slab) back to the target's page pool; on REENABLE it pi
 from the host copy. Both re-lay the target's arena (``PagedCache.rearrange``): the pool grows or
 shrinks by the draft's bytes and resident pages are re-uploaded from the host store.
 
+Below the onset the policy may ask for ``MEASURE_PLAIN`` instead: a few plain steps with the
+draft still pinned. Nothing streams there in either state, so those steps measure the
+ejected state's goodput with no re-layout. The engine then drafts nothing (``plain``).
+
 Goodput per state is measured as steady rounds plus a cost per page. The steady part is the mean
 tokens per batch over the median batch time of the state's latest batches, so a lone slow batch
 (a verify width captured late) does not count. The batches right after a transition are charged
@@ -30,6 +34,7 @@ GOODPUT_WINDOW = 16  # decode batches a state's steady rate looks at
 GOODPUT_MIN = 4      # steady batches in a state before its goodput counts as measured
 CHARGED = 2          # batches after a transition charged to it (graph captures, the draft's catch-up), not to the state
 PAGE_SAMPLES = 8     # residency steps of page openings the per-page cost is the mean of
+PLAIN_CHARGED = 1    # a plain measurement's first batch, not measured: its step was not queued ahead yet
 
 
 @dataclass
@@ -53,15 +58,20 @@ class Transition:
 class DraftControl:
     """Pins ``draft`` into ``cache``'s arena and applies ``policy`` after each decode batch."""
 
-    def __init__(self, draft, cache, policy):
+    def __init__(self, draft, cache, policy, *, measure_in_place: bool = True):
+        """``measure_in_place``: plain steps with the draft pinned measure the ejected state (the
+        draft is the chain's only speculator; with others, the ejected state still speculates)."""
         if not hasattr(cache, "rearrange"):
             raise ValueError("a draft model is pinned in the arena: use cache.mode=resident or stream")
         self.draft, self.cache, self.policy = draft, cache, policy
+        self.measure_in_place = measure_in_place
         cache.rearrange(lambda: draft.pin(cache.arena))
         self.bytes = draft.pinned_bytes
         self._caps = None  # (layout, (with, without)): see _capacities
         self.since = 1 << 30  # no transition yet: hysteresis must not hold off the first one
-        self.streaming = False  # the working set exceeds the draft-active capacity
+        self.streaming = {True: False, False: False}  # per state: the working set exceeds its capacity
+        self.plain_left = 0  # batches left in a plain measurement (MEASURE_PLAIN)
+        self.plains: list[dict] = []  # the plain measurements made: step, pages per layer
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         # seconds a page opening took beyond the steady rate; whole residency steps of them (one
         # opening in a step re-captures), so the mean counts the same number of re-captures
@@ -75,6 +85,11 @@ class DraftControl:
     @property
     def active(self) -> bool:
         return self.draft.enabled
+
+    @property
+    def plain(self) -> bool:
+        """A plain measurement runs: the engine drafts nothing, and the draft stays pinned."""
+        return self.plain_left > 0
 
     def _capacities(self) -> tuple[int, int]:
         """(with, without) the draft for the current layout (the prefill slab is larger than the
@@ -127,9 +142,11 @@ class DraftControl:
 
     def snapshot(self, length: int | None = None, tokens_left: int | None = None) -> Snapshot:
         pages = -(-(self.cache.length if length is None else length) // PAGE_TOKENS)
+        in_place = self.measure_in_place and self.active and not self.plain and self.since > CHARGED and (
+            tokens_left is None or tokens_left > 2 * (PLAIN_CHARGED + GOODPUT_MIN))
         return Snapshot(pages, self.capacity_with, self.capacity_without, self.active, self.since,
                         *self.goodput(True, pages), *self.goodput(False, pages), tokens_left, self.cost("eject"),
-                        self.cost("reenable"))
+                        self.cost("reenable"), in_place)
 
     def _steady(self, state: bool) -> tuple[float, float] | None:
         """(median batch seconds, mean tokens per batch) of ``state``'s latest batches."""
@@ -137,16 +154,18 @@ class DraftControl:
         seconds = median(s for _, s in m) if len(m) >= GOODPUT_MIN else 0.0
         return (seconds, sum(n for n, _ in m) / len(m)) if seconds > 0 else None
 
-    def _record(self, new_tokens: int, step_s: float, pages: int) -> None:
-        """One batch into the current state's measurements, or into the latest transition's. A
-        page opens in the batch that launched the step writing its first row: with a plain step
-        queued ahead (run-ahead), the batch before the one whose context enters the page."""
+    def _record(self, new_tokens: int, step_s: float, pages: int, state: bool, measured: bool = True) -> None:
+        """One batch into ``state``'s measurements (``measured`` False: into nobody's), or into
+        the latest transition's. A page opens in the batch that launched the step writing its
+        first row: with a plain step queued ahead (run-ahead), the batch before the one whose
+        context enters the page."""
         launched = max(pages, -(-self.cache.length // PAGE_TOKENS))
         opens, self._pages = self._pages is not None and launched > self._pages, launched
+        if not measured:
+            return
         if self.since < CHARGED:
             self._after.append((new_tokens, step_s))
             return
-        state = self.active
         steady = self._steady(state)
         if opens and steady and self._streams(state, pages):
             self.page_costs.append(step_s - steady[0])  # beyond the median batch
@@ -156,7 +175,7 @@ class DraftControl:
             return
         rate = steady[1] / steady[0]
         self.measured[state] = (rate, pages)
-        if self.transitions and self.transitions[-1].after_s is None:  # the transition into this state
+        if state == self.active and self.transitions and self.transitions[-1].after_s is None:  # the transition into it
             self.transitions[-1].after_s = max(0.0, sum(s - n / rate for n, s in self._after))
 
     def after_step(self, step: int, new_tokens: int, step_s: float, length: int | None = None,
@@ -166,19 +185,32 @@ class DraftControl:
         what the decode has still to generate (None: unbounded)."""
         length = self.cache.length if length is None else length
         pages = -(-length // PAGE_TOKENS)
-        if (pages > self.capacity_with) != self.streaming:  # crossed the onset: earlier batches tell nothing
-            self.streaming = not self.streaming
-            for state in (True, False):
+        flipped = False
+        for state in (True, False):  # a state that starts or stops streaming: its earlier batches tell nothing
+            if self._streams(state, pages) != self.streaming[state]:
+                self.streaming[state] = not self.streaming[state]
                 self.meter[state].clear()
                 self.measured[state] = (None, None)
-            if not self.transitions or self.transitions[-1].after_s is not None:  # none pending a charge
-                self._after = []
-        self._record(new_tokens, step_s, pages)
+                flipped = True
+        if flipped and (not self.transitions or self.transitions[-1].after_s is not None):  # none pending a charge
+            self._after = []
+        if self.plain_left:  # a plain measurement: the batches of the ejected state, the draft pinned
+            self.plain_left -= 1
+            self._record(new_tokens, step_s, pages, False, measured=self.plain_left < GOODPUT_MIN)
+            self.since += 1
+            return Action.STAY
+        self._record(new_tokens, step_s, pages, self.active)
         self.since += 1
         if tokens_left == 0:  # the decode is over: a transition now would only cost
             return Action.STAY
         snap = self.snapshot(length, tokens_left)
         action = self.policy.decide(snap)
+        if action is Action.MEASURE_PLAIN:
+            if not snap.plain_in_place:
+                raise RuntimeError(f"{self.policy} asked for a plain measurement the snapshot said cannot be made")
+            self.plain_left = PLAIN_CHARGED + GOODPUT_MIN
+            self.plains.append({"step": step, "action": action.value, "pages_per_layer": snap.pages_per_layer})
+            return action
         if action is Action.STAY:
             return action
         before, t0 = self.cache.capacity, time.perf_counter()
@@ -200,7 +232,8 @@ class DraftControl:
         return action
 
     def transitions_rows(self) -> list[dict]:
-        return [asdict(t) for t in self.transitions]
+        """The transitions and the plain measurements, in step order."""
+        return sorted([asdict(t) for t in self.transitions] + self.plains, key=lambda r: r["step"])
 
     def count(self, action: str) -> int:
-        return sum(t.action == action for t in self.transitions)
+        return sum(r["action"] == action for r in self.transitions_rows())

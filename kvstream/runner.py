@@ -81,7 +81,7 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
                                   prefill_chunk=cfg.prefill_chunk, on_token=on_token), None, None, cache)
     control = None
     if "draft" in options:
-        control = DraftControl(chain.get("draft"), cache, eject_policy(cfg.policy))
+        control = DraftControl(chain.get("draft"), cache, eject_policy(cfg.policy), measure_in_place=len(chain) == 1)
     p = cfg.policy
     g = speculative_generate(
         step, cache, prompt, cfg.max_new_tokens, sampler, chain, n_max=spec.n_max, stop_ids=stop,

@@ -92,7 +92,8 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     round's length, ``order_policy`` the chain's order, ``control`` ejects / re-enables a
     pinned draft model (``DraftControl``).
 
-    While the chain is idle (its draft ejected) rounds are plain steps, and with ``run_ahead``
+    While the chain is idle (its draft ejected) or ``control`` measures plain decoding
+    (``control.plain``: the draft pinned, not drafting) rounds are plain steps, and with ``run_ahead``
     (default: on CUDA) the host queues the next one before reading the token that feeds it, as
     ``generate`` does: after an eject the decode runs at the plain rate. A queued step that is
     not used (a stop token, a re-enabled draft) is rolled back."""
@@ -120,10 +121,11 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     while out[-1] not in stop and len(out) < max_new_tokens:
         ts = time.perf_counter()
         budget = min(n_round, max_new_tokens - len(out) - 1)  # room for the kept drafts + one more
-        if queued is not None and not chain.idle:  # re-enabled since it was queued: not a plain round
+        plain = chain.idle or (control is not None and control.plain)
+        if queued is not None and not plain:  # drafting again since it was queued: not a plain round
             cache.truncate(queued[0])
             queued = None
-        draft = chain.propose(prompt + out, budget) if budget > 0 else []
+        draft = chain.propose(prompt + out, budget) if budget > 0 and not plain else []
         draft_s = time.perf_counter() - ts
         if queued is not None:  # this round's step is already on the device
             (start, logits, stats), queued = queued, None
@@ -131,7 +133,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             start = cache.length
             logits = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True)
             stats = cache.stats  # this step's (a queued next step gets its own)
-        if ahead and not draft and chain.idle and len(out) + 1 < max_new_tokens:
+        if ahead and plain and len(out) + 1 < max_new_tokens:
             tok = sampler(logits[0])  # what accept() samples for a round without a draft, kept on the device
             readback.start(tok)
             queued = (cache.length, model(tok.view(1), cache, all_logits=True), cache.stats)  # the next round's step

@@ -207,7 +207,7 @@ def test_slow_ring_copies_and_reads_still_match_resident(tmp_path, monkeypatch, 
         assert (eager - ref).abs().max() <= 1e-3 * ref.abs().max()
 
 
-@pytest.mark.parametrize("eject", [False, True])
+@pytest.mark.parametrize("eject", [False, True, "measure_plain"])
 def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     import test_draft as t
     from kvstream.arena import MIB, Arena
@@ -230,10 +230,12 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     runs = []
     for graphs in (False, True):
         c, draft = cache(), DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK, graphs=graphs)
-        control = DraftControl(draft, c, t.Scripted(at=3, back=8)) if eject else None
+        policy = t.MeasurePlainAt(at=2) if eject == "measure_plain" else t.Scripted(at=3, back=8)
+        control = DraftControl(draft, c, policy) if eject else None
         step = GraphedModel(m) if graphs else m
         runs.append(speculative_generate(step, c, t.PROMPT, t.NEW, greedy, Chain([draft]), n_max=8,
                                          prefill_chunk=t.CHUNK, control=control).tokens)
+        assert eject != "measure_plain" or control.count("measure_plain") == 1
     assert runs[0] == runs[1]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from statistics import median
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from kernels.formats import PAGE_TOKENS
 from kvstream.arena import ALIGN, MIB, Arena
 from kvstream.cache_factory import make_cache, reserve_slab
 from kvstream.config import ArenaConfig, CacheConfig
-from kvstream.draft_control import DraftControl, Transition
+from kvstream.draft_control import CHARGED, GOODPUT_MIN, PLAIN_CHARGED, DraftControl, Transition
 from kvstream.generate import generate
 from kvstream.model import load_model
 from kvstream.sampling import Sampler, SamplingParams
@@ -267,6 +268,53 @@ def test_eject_and_reenable_mid_run_stay_lossless(model, host, plain, run_ahead)
     assert eject.h2d_bytes > 0 and reenable.h2d_bytes > host.nbytes and eject.seconds > 0  # resident pages re-uploaded
     history = PROMPT + g.tokens
     assert draft.fed == history[:len(draft.fed)] and len(draft.fed) > len(PROMPT) + 8  # it caught up
+
+
+@dataclass
+class MeasurePlainAt:
+    """Ask for a plain measurement in place at step ``at`` (an eject policy for tests)."""
+
+    at: int
+    step: int = 0
+    seen: list = None
+
+    def decide(self, snap):
+        self.step += 1
+        self.seen = (self.seen or []) + [snap.plain_in_place]
+        return Action.MEASURE_PLAIN if self.step == self.at else Action.STAY
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_a_plain_measurement_in_place_keeps_the_draft_pinned_and_stays_lossless(model, host, plain, run_ahead):
+    # short drafts (n_max 2): enough rounds before and after the plain batches
+    g, draft, control, cache = run_with_draft(model, host, MeasurePlainAt(at=2), pages=3, n_max=2, run_ahead=run_ahead)
+    assert g.tokens == plain and cache.length == len(PROMPT) + len(plain) - 1
+    assert [r.context for r in g.records] == list(accumulate((r.new_tokens for r in g.records), initial=len(PROMPT)))[1:]
+    n = PLAIN_CHARGED + GOODPUT_MIN  # the batches after the second's decision: plain, the draft pinned all along
+    stint = g.records[2:2 + n]
+    assert all(r.drafted == 0 and r.verify_width == 1 and r.draft_active for r in stint)
+    assert all(r.drafted > 0 for r in g.records[:2] + g.records[2 + n:2 + n + 2])  # drafting before and after
+    assert control.transitions == [] and draft.model is not None  # no eject, no re-layout
+    rate, pages = control.measured[False]  # the ejected state's goodput, from the last GOODPUT_MIN of them
+    assert pages == stint[-1].pages_per_layer and rate == pytest.approx(1 / median(r.step_s for r in stint[-GOODPUT_MIN:]))
+    assert control.transitions_rows() == [{"step": 1, "action": "measure_plain",
+                                           "pages_per_layer": g.records[1].pages_per_layer}]
+    assert control.count("measure_plain") == 1 and control.count("eject") == 0
+    # the policy is not asked during the plain batches, nor after the last token
+    assert len(control.policy.seen) == len(g.records) - n - 1 and control.policy.seen[:2] == [True, True]
+    history = PROMPT + g.tokens
+    assert draft.fed == history[:len(draft.fed)] and len(draft.fed) > len(PROMPT) + 2 + n  # it caught up
+
+
+def test_plain_measurements_are_not_offered_beside_another_speculator(model, host):
+    """With an n-gram speculator in the chain the ejected state still speculates: plain steps
+    would not measure it. A policy that asks anyway is a bug, reported as such."""
+    cache = target_cache(model, arena_mib(model, host, 3))
+    control = DraftControl(new_draft(host), cache, MeasurePlainAt(at=1), measure_in_place=False)
+    assert control.snapshot(tokens_left=100).plain_in_place is False
+    with pytest.raises(RuntimeError, match="asked for a plain measurement the snapshot said cannot be made"):
+        for step in range(CHARGED + 2):
+            control.after_step(step, 5, 0.008, tokens_left=100)
 
 
 def test_a_stop_token_while_ejected_rolls_the_queued_step_back(model, host, plain):

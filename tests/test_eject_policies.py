@@ -86,10 +86,35 @@ def test_build_wraps_the_default_hysteresis_and_rejects_bad_names():
 
 def auto_snap(pages, active, since=100, with_=None, without=None, **horizon):
     """A snapshot for Auto; ``with_`` / ``without`` are (goodput, pages when measured) or None;
-    ``horizon``: tokens_left, eject_s, reenable_s."""
+    ``horizon``: tokens_left, eject_s, reenable_s (and plain_in_place)."""
     w, wp = with_ or (None, None)
     wo, wop = without or (None, None)
     return Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, w, wp, wo, wop, **horizon)
+
+
+@pytest.mark.parametrize("snap, expected", [
+    # in the last page before the onset, plain decoding never measured or stale: measure it in place
+    (auto_snap(CAP_WITH, True, plain_in_place=True), Action.MEASURE_PLAIN),
+    (auto_snap(CAP_WITH, True, plain_in_place=True, without=(9.0, CAP_WITH - 17)), Action.MEASURE_PLAIN),
+    # farther below (it would go stale sooner after the onset); fresh already; not possible (another speculator)
+    (auto_snap(CAP_WITH - 1, True, plain_in_place=True), Action.STAY),
+    (auto_snap(CAP_WITH, True, plain_in_place=True, without=(9.0, CAP_WITH - 16)), Action.STAY),
+    (auto_snap(CAP_WITH, True), Action.STAY),
+    # not within `settle` batches of a transition; never above the onset (plain steps there would stream
+    # with the draft's smaller pool: they are not the ejected state)
+    (auto_snap(CAP_WITH, True, since=7, plain_in_place=True), Action.STAY),
+    (auto_snap(CAP_WITH + 1, True, since=8, with_=(50.0, CAP_WITH + 1), plain_in_place=True), Action.EJECT),
+])
+def test_auto_measures_plain_decoding_in_place_below_the_onset(snap, expected):
+    assert Auto().decide(snap) is expected
+
+
+def test_auto_without_trusting_the_onset_measures_in_place_anywhere_below_it():
+    below = CAP_WITH - 30
+    auto = Auto(trust_onset=False)
+    assert auto.decide(auto_snap(below, True, with_=(20.0, below), plain_in_place=True)) is Action.MEASURE_PLAIN
+    assert auto.decide(auto_snap(below, True, with_=(20.0, below), without=(40.0, below))) is Action.EJECT  # worth it
+    assert auto.decide(auto_snap(below, True, with_=(20.0, below), without=(10.0, below))) is Action.STAY
 
 
 @pytest.mark.parametrize("snap, expected", [
@@ -180,11 +205,17 @@ class Run:
         return out
 
 
-def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, noise=0.03, seed=0, budget=None):
+PLAIN_BATCHES = 5  # a plain measurement in place, as DraftControl makes it: 1 batch charged, 4 measured
+
+
+def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, noise=0.03, seed=0, budget=None,
+             in_place=False):
     """Play the engine: a snapshot per batch, carry out the action, run one decode batch in the
     current state, update that state's measured goodput. The context grows by the tokens kept.
     With ``budget`` the decode ends after that many tokens, and the snapshots say how many are
-    left and what a transition cost once one was made (its seconds, warm-up batches aside)."""
+    left and what a transition cost once one was made (its seconds, warm-up batches aside).
+    ``in_place``: the draft may measure plain decoding in place (the engine runs PLAIN_BATCHES
+    plain batches, the draft pinned; at or below the onset they run at the ejected rate)."""
     rng = random.Random(seed)
     generated, seconds, active, since = 0, 0.0, True, 0
     measured = {True: (None, None), False: (None, None)}  # state -> (goodput, pages when measured)
@@ -196,7 +227,18 @@ def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, n
         horizon = {} if budget is None else dict(tokens_left=budget - generated, eject_s=costs[Action.EJECT],
                                                  reenable_s=costs[Action.REENABLE])
         action = policy.decide(Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, *measured[True], *measured[False],
-                                        **horizon))
+                                        **horizon, plain_in_place=in_place and active))
+        if action is Action.MEASURE_PLAIN:
+            assert active and pages <= CAP_WITH, f"a plain measurement at {pages} pages, draft_active={active}"
+            plain = []
+            for _ in range(PLAIN_BATCHES):
+                dt = 1 / eject_goodput(start + generated // page_tokens) * rng.uniform(1 - noise, 1 + noise)
+                generated, seconds, since = generated + 1, seconds + dt, since + 1
+                plain.append(dt)
+                batches.append((start + generated // page_tokens, active))
+            measured[False] = (len(plain[1:]) / sum(plain[1:]), start + generated // page_tokens)
+            transitions.append((pages, action))
+            continue
         if action is not Action.STAY:
             assert active == (action is Action.EJECT), f"{action} while draft_active={active}"
             active, since, stint = not active, 0, []
@@ -266,6 +308,22 @@ def test_auto_horizon_skips_transitions_the_decode_cannot_pay_for():
     off, on = (simulate(build("auto", horizon=h), start=100, budget=308) for h in (False, True))
     assert [a.value for _, a in off.transitions] == ["eject", "reenable", "eject"]
     assert [a.value for _, a in on.transitions] == ["eject", "reenable"]
+
+
+def test_auto_measuring_in_place_skips_the_probe_at_the_onset():
+    """From below the onset: plain decoding is measured in place in the page before it, so the
+    first probe (an eject and a re-enable) comes probe_pages pages later, not at the onset;
+    up to there the decode is faster."""
+    for seed in range(5):
+        off, on = (simulate(build("auto"), seed=seed, in_place=p) for p in (False, True))
+        first = lambda run: next(p for p, a in run.transitions if a is Action.EJECT)  # noqa: E731
+        assert first(off) == CAP_WITH + 1 and first(on) == CAP_WITH + build("auto").inner.probe_pages + 1
+        assert [p for p, a in on.transitions if a is Action.MEASURE_PLAIN] == [CAP_WITH]
+        # up to there: a 5-batch plain measurement against a probe (two transitions, 8 plain batches)
+        off, on = (simulate(build("auto"), seed=seed, in_place=p, end=CAP_WITH + 17) for p in (False, True))
+        assert on.tokens_per_s > off.tokens_per_s
+        early = lambda run: sum(a is Action.EJECT and p <= CAP_WITH + 16 for p, a in run.transitions)  # noqa: E731
+        assert (early(off), early(on)) == (1, 0)
 
 
 def test_build_auto():
