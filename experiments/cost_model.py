@@ -125,11 +125,19 @@ def eject_cost(steps: pd.DataFrame) -> float:
     return float(np.median(costs)) if costs else 0.0
 
 
+def in_place(steps: pd.DataFrame) -> pd.Series:
+    """The plain steps that measured the ejected state with the draft pinned (``plain_measure``;
+    False where steps.csv predates the column)."""
+    if "plain_measure" not in steps:
+        return pd.Series(False, index=steps.index)
+    return steps["plain_measure"].fillna(False).astype(bool)
+
+
 def target_seconds(steps: pd.DataFrame) -> pd.Series:
-    """The target's part of each step. A round with the draft ejected runs the host a step ahead:
-    its draft_s (the chain's bookkeeping) overlaps the device's step instead of preceding it, so
-    its whole wall time is the target's."""
-    return steps["step_s"] - steps["draft_s"] * steps["draft_active"].astype(bool)
+    """The target's part of each step. A round with the draft ejected, or measuring the ejected
+    state in place, runs the host a step ahead: its draft_s (the chain's bookkeeping) overlaps
+    the device's step instead of preceding it, so its whole wall time is the target's."""
+    return steps["step_s"] - steps["draft_s"] * (steps["draft_active"].astype(bool) & ~in_place(steps))
 
 
 def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
@@ -147,7 +155,7 @@ def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
     extra = s["target_s"] - by.transform("median")
     # the round that launched the page's first step: a plain round queues the next step (CUDA
     # run-ahead), so it opens the page one token early
-    launched = -(-(s["context"] + ~active) // PAGE)
+    launched = -(-(s["context"] + (~active | in_place(steps))) // PAGE)
     opens = launched > launched.groupby(s["run_id"]).shift()
     picked = extra[opens & (s["streamed_pages"] > 0) & ~paying & (by.transform("size") >= 3)]
     return max(0.0, float(picked.mean())) if len(picked) else 0.0
@@ -239,14 +247,14 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
     measured; acceptance per token (``acceptance_per_token``). ``runs`` (runs.csv) adds the ejects'
     own re-layout time to ``eject_s``."""
     require(steps, STEP_COLUMNS, "steps.csv")
-    s = steps[list(STEP_COLUMNS)].astype(float).dropna()
+    s = steps[list(STEP_COLUMNS)].assign(plain_measure=in_place(steps)).astype(float).dropna()
     paying = after_transition(steps)
     s = s[~paying.loc[s.index]]
     s = s.assign(target_s=target_seconds(s))
     g = s.groupby(["streamed_pages", "verify_width", "pages_per_layer"])["target_s"].agg(["median", "size"])
     g = g.reset_index()
     coef, copy_line, pred = _fit_lines(g, len(s), s)
-    rounds = s[s["draft_active"].astype(bool)]  # the steady rounds with the draft pinned
+    rounds = s[s["draft_active"].astype(bool) & ~in_place(s)]  # the steady rounds with the draft drafting
     if not (rounds["drafted"] > 0).any():
         raise ValueError(f"steps.csv ({len(s)} complete steps) has no round that drafted a token: "
                          f"nothing to predict keeping the draft from")

@@ -121,7 +121,8 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     while out[-1] not in stop and len(out) < max_new_tokens:
         ts = time.perf_counter()
         budget = min(n_round, max_new_tokens - len(out) - 1)  # room for the kept drafts + one more
-        plain = chain.idle or (control is not None and control.plain)
+        measuring = control is not None and control.plain  # the ejected state's rate, measured in place
+        plain = chain.idle or measuring
         if queued is not None and not plain:  # drafting again since it was queued: not a plain round
             cache.truncate(queued[0])
             queued = None
@@ -156,7 +157,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         records.append(StepRecord.of(len(records), cache, len(kept), step_s, verify_width=1 + len(draft),
                                      drafted=len(draft), accepted=len(kept) - 1, draft_s=draft_s,
                                      draft_active=bool(control and control.active), speculator=winner,
-                                     context=start + len(kept), stats=stats))
+                                     plain_measure=measuring, context=start + len(kept), stats=stats))
         bar.update(len(kept))
         if control is not None:
             control.after_step(len(records) - 1, len(kept), step_s, length=start + len(kept),

@@ -38,6 +38,7 @@ class StepRecord:
     draft_s: float = 0.0  # seconds the speculator chain spent proposing
     draft_active: bool = False  # a draft model is pinned (not ejected) during the step
     speculator: str = ""  # the chain's winner, if any
+    plain_measure: bool = False  # a plain step measuring the ejected state, the draft pinned (MEASURE_PLAIN)
 
     @classmethod
     def of(cls, step: int, cache, new_tokens: int, step_s: float, *, context: int | None = None,

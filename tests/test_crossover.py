@@ -200,6 +200,23 @@ def test_cost_model_ignores_transition_outliers():
 
 
 
+def test_plain_steps_measured_in_place_are_target_steps_not_drafting_rounds():
+    """Plain steps with the draft pinned (auto's plain measurement, ``plain_measure``) enter the
+    target's step model like ejected plain steps (their draft_s is bookkeeping that overlaps the
+    step), but not the draft's per-round statistics."""
+    steps = make_steps()
+    plain = steps[steps["drafted"] == 0]
+    in_place = plain.assign(run_id="r4", draft_active=True, plain_measure=True, draft_s=1e-4,
+                            step_s=plain["step_s"] + 1e-4)  # host a step ahead: the 0.1 ms overlaps the device
+    m = fit_cost_model(pd.concat([steps.assign(plain_measure=False), in_place], ignore_index=True))
+    ref = fit_cost_model(steps)
+    for k in ("drafted_per_round", "tokens_per_round", "draft_s_per_round", "acceptance"):
+        assert getattr(m, k) == pytest.approx(getattr(ref, k), rel=1e-12), k
+    # without the column they count as drafting rounds of 0 tokens (older steps.csv: none exist)
+    old = pd.concat([steps, in_place.drop(columns="plain_measure")], ignore_index=True)
+    assert fit_cost_model(old).drafted_per_round < ref.drafted_per_round
+
+
 def test_round_statistics_per_prompt_length():
     # two prompt lengths (runs starting at 1 and at 31 pages) whose drafting rounds keep 4 and 5 tokens:
     # the model keeps each length's own statistics and interpolates between them
