@@ -130,7 +130,7 @@ def in_place(steps: pd.DataFrame) -> pd.Series:
     False where steps.csv predates the column)."""
     if "plain_measure" not in steps:
         return pd.Series(False, index=steps.index)
-    return steps["plain_measure"].fillna(False).astype(bool)
+    return steps["plain_measure"].astype("boolean").fillna(False).astype(bool)
 
 
 def target_seconds(steps: pd.DataFrame) -> pd.Series:

@@ -75,8 +75,8 @@ class DraftControl:
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         # seconds a page opening took beyond the steady rate; whole residency steps of them (one
         # opening in a step re-captures), so the mean counts the same number of re-captures
-        self.step = getattr(getattr(cache, "residency", None), "step", 1)
-        self.page_costs: deque[float] = deque(maxlen=PAGE_SAMPLES * self.step)
+        self.residency_step = getattr(getattr(cache, "residency", None), "step", 1)
+        self.page_costs: deque[float] = deque(maxlen=PAGE_SAMPLES * self.residency_step)
         self._pages: int | None = None  # pages per layer of the latest step launched, after the previous batch
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []
@@ -120,12 +120,12 @@ class DraftControl:
         """Seconds a streaming state pays once per page: the mean of the latest page openings
         (a mean: with ``cache.residency_step`` k, one opening in k re-captures and the others
         cost nothing); before the first, what the latest eject's first batches cost beyond the
-        plain rate (the same work: graphs captured for a new plan) over k, else 0. Not over k,
+        plain rate (the same work: graphs captured for a new plan) over k, else 0. Undivided,
         that stand-in made a kept draft look 11% slower than it ran at 10240 tokens with k = 3
         (results/draft_threshold_h200_perfect_long_step3), and auto never re-enabled it."""
         if self.page_costs:
             return max(0.0, fmean(self.page_costs))
-        return next((t.after_s / self.step for t in reversed(self.transitions)
+        return next((t.after_s / self.residency_step for t in reversed(self.transitions)
                      if t.action == "eject" and t.after_s is not None), 0.0)
 
     def _streams(self, state: bool, pages: int) -> bool:
@@ -141,9 +141,13 @@ class DraftControl:
         return 1.0 / (1.0 / rate + self.page_s / PAGE_TOKENS), at
 
     def snapshot(self, length: int | None = None, tokens_left: int | None = None) -> Snapshot:
-        pages = -(-(self.cache.length if length is None else length) // PAGE_TOKENS)
-        in_place = self.measure_in_place and self.active and not self.plain and self.since > CHARGED and (
-            tokens_left is None or tokens_left > 2 * (PLAIN_CHARGED + GOODPUT_MIN))
+        length = self.cache.length if length is None else length
+        pages, n = -(-length // PAGE_TOKENS), PLAIN_CHARGED + GOODPUT_MIN
+        # every plain step, and the one queued after the last, inside the onset's page or below: they must
+        # not stream (they would measure the pinned draft's streaming, not the ejected state); and at least
+        # as much decode left after them as they take, to use what they measure
+        in_place = self.measure_in_place and self.active and not self.plain and self.since > CHARGED and \
+            length + n + 1 <= self.capacity_with * PAGE_TOKENS and (tokens_left is None or tokens_left > 2 * n)
         return Snapshot(pages, self.capacity_with, self.capacity_without, self.active, self.since,
                         *self.goodput(True, pages), *self.goodput(False, pages), tokens_left, self.cost("eject"),
                         self.cost("reenable"), in_place)
@@ -209,6 +213,7 @@ class DraftControl:
             if not snap.plain_in_place:
                 raise RuntimeError(f"{self.policy} asked for a plain measurement the snapshot said cannot be made")
             self.plain_left = PLAIN_CHARGED + GOODPUT_MIN
+            self.meter[False].clear()  # this measurement's batches alone: earlier ones were at another context
             self.plains.append({"step": step, "action": action.value, "pages_per_layer": snap.pages_per_layer})
             return action
         if action is Action.STAY:

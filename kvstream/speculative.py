@@ -96,7 +96,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     (``control.plain``: the draft pinned, not drafting) rounds are plain steps, and with ``run_ahead``
     (default: on CUDA) the host queues the next one before reading the token that feeds it, as
     ``generate`` does: after an eject the decode runs at the plain rate. A queued step that is
-    not used (a stop token, a re-enabled draft) is rolled back."""
+    not used (a stop token, a re-enabled draft, the end of a plain measurement) is rolled back."""
     stop = set(stop_ids)
     dev = model.device
     ahead = dev.type == "cuda" if run_ahead is None else run_ahead

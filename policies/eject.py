@@ -56,7 +56,8 @@ class Snapshot:
     eject_s: float | None = None
     reenable_s: float | None = None
     # MEASURE_PLAIN can be carried out now: the draft is pinned and is the only speculator (with
-    # others, the ejected state still speculates), and enough of the decode is left to use it
+    # others, the ejected state still speculates), no transition is being charged, its plain steps
+    # all fit at or below the onset, and enough of the decode is left to use what they measure
     plain_in_place: bool = False
 
 

@@ -306,6 +306,24 @@ def test_a_plain_measurement_in_place_keeps_the_draft_pinned_and_stays_lossless(
     assert draft.fed == history[:len(draft.fed)] and len(draft.fed) > len(PROMPT) + 2 + n  # it caught up
 
 
+def test_a_plain_measurement_fits_below_the_onset_and_measures_only_its_own_batches(model, host):
+    cache = target_cache(model, arena_mib(model, host, 3))
+    control = DraftControl(new_draft(host), cache, MeasurePlainAt(at=1))
+    end, n = control.capacity_with * PAGE_TOKENS, PLAIN_CHARGED + GOODPUT_MIN
+    assert control.snapshot(end - n - 1, tokens_left=100).plain_in_place
+    # the step queued after the last plain one would stream (the draft's pool): not the ejected state
+    assert not control.snapshot(end - n, tokens_left=100).plain_in_place
+    assert not control.snapshot(end - n - 1, tokens_left=2 * n).plain_in_place  # too little decode left to use it
+    control.meter[False].extend([(1, 0.5)] * 8)  # an older ejected stint, at a shorter context
+    length = end - 40
+    assert control.after_step(0, 3, 0.008, length=length, tokens_left=100) is Action.MEASURE_PLAIN
+    for i in range(n):
+        assert control.plain
+        assert control.after_step(1 + i, 1, 0.002, length=length + 1 + i, tokens_left=99 - i) is Action.STAY
+    assert not control.plain and list(control.meter[False]) == [(1, 0.002)] * GOODPUT_MIN
+    assert control.measured[False] == (pytest.approx(500), control.capacity_with)
+
+
 def test_plain_measurements_are_not_offered_beside_another_speculator(model, host):
     """With an n-gram speculator in the chain the ejected state still speculates: plain steps
     would not measure it. A policy that asks anyway is a bug, reported as such."""
