@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from statistics import fmean, median
+from statistics import median
 
 from kernels.formats import PAGE_TOKENS
 from policies.eject import Action, Snapshot
@@ -117,14 +117,20 @@ class DraftControl:
 
     @property
     def page_s(self) -> float:
-        """Seconds a streaming state pays once per page: the mean of the latest page openings
-        (a mean: with ``cache.residency_step`` k, one opening in k re-captures and the others
-        cost nothing); before the first, what the latest eject's first batches cost beyond the
-        plain rate (the same work: graphs captured for a new plan) over k, else 0. Undivided,
-        that stand-in made a kept draft look 11% slower than it ran at 10240 tokens with k = 3
-        (results/draft_threshold_h200_perfect_long_step3), and auto never re-enabled it."""
+        """Seconds a streaming state pays once per page.
+
+        - It is the mean of the latest page openings. With ``cache.residency_step`` k, one
+          opening in k re-captures and the others cost nothing.
+        - Until k openings are measured, the missing ones count as nothing. The first opening
+          after a plan change is the one that re-captures, so one re-capture measured stands
+          for one page in k, not every page.
+        - Before the first opening, the stand-in is what the latest eject's first batches cost
+          beyond the plain rate, over k (the same work: graphs captured for a new plan).
+          Undivided, it made a kept draft look 11% slower than it ran at 10240 tokens with
+          k = 3 (results/draft_threshold_h200_perfect_long_step3), and auto never re-enabled it.
+        - With neither, 0."""
         if self.page_costs:
-            return max(0.0, fmean(self.page_costs))
+            return max(0.0, sum(self.page_costs) / max(len(self.page_costs), self.residency_step))
         return next((t.after_s / self.residency_step for t in reversed(self.transitions)
                      if t.action == "eject" and t.after_s is not None), 0.0)
 
