@@ -71,6 +71,7 @@ class DraftControl:
         self.since = 1 << 30  # no transition yet: hysteresis must not hold off the first one
         self.streaming = {True: False, False: False}  # per state: the working set exceeds its capacity
         self.plain_left = 0  # batches left in a plain measurement (MEASURE_PLAIN)
+        self._resumed = False  # the next batch is the first drafting round after one: its catch-up is not a steady round
         self.plains: list[dict] = []  # the plain measurements made: step, pages per layer
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         # seconds a page opening took beyond the steady rate; whole residency steps of them (one
@@ -207,9 +208,11 @@ class DraftControl:
         if self.plain_left:  # a plain measurement: the batches of the ejected state, the draft pinned
             self.plain_left -= 1
             self._record(new_tokens, step_s, pages, False, measured=self.plain_left < GOODPUT_MIN)
+            self._resumed = self.plain_left == 0
             self.since += 1
             return Action.STAY
-        self._record(new_tokens, step_s, pages, self.active)
+        self._record(new_tokens, step_s, pages, self.active, measured=not self._resumed)
+        self._resumed = False
         self.since += 1
         if tokens_left == 0:  # the decode is over: a transition now would only cost
             return Action.STAY
