@@ -41,7 +41,8 @@ MAX_N_Q = 16
 
 # merge: splits per pass, columns per program. A grid of at most one program per SM (n_q = 1:
 # 12 rows x 4) is latency-bound: one pass over up to 512 splits (4.7 -> 3.4 us at 264 splits on
-# the H200); larger grids keep 256 (512 was slower at n_q = 6, 528 splits: 12.9 vs 10.4 us)
+# the H200); larger grids keep 256 (512 was slower at n_q = 6, 528 splits: 12.9 vs 10.4 us).
+# results/kernels/variants/flat_tiles_and_merge.csv
 MERGE_BLOCK_S, MERGE_BLOCK_S_FEW, MERGE_BLOCK_D = 256, 512, 32
 # BLOCK_M (query rows per KV head, padded) -> (BLOCK_N keys per tile, num_warps, num_stages,
 # programs per SM that split-K aims for). Swept on the H200 (sm_90) at head_dim 128, 64K,
