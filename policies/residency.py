@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def _check_step(step: int) -> None:
+    if step < 1:
+        raise ValueError(f"residency step {step}: give a whole number of pages >= 1")
+
+
 def _first_newest(low: int, need: int, step: int, room: int) -> int:
     """The first of the newest pages: ``need`` (evictions forced by the capacity) rounded up to
     a multiple of ``step`` above ``low``. A step beyond ``room`` (the pool slots the newest pages
@@ -30,8 +35,7 @@ class NewestResident:
     step: int = 1
 
     def __post_init__(self):
-        if self.step < 1:
-            raise ValueError(f"residency step {self.step}: give a whole number of pages >= 1")
+        _check_step(self.step)
 
     def resident(self, n_pages: int, capacity: int) -> range:
         return range(_first_newest(0, n_pages - capacity, self.step, capacity), n_pages)
@@ -46,8 +50,7 @@ class SinkAndNewest:
     step: int = 1
 
     def __post_init__(self):
-        if self.step < 1:
-            raise ValueError(f"residency step {self.step}: give a whole number of pages >= 1")
+        _check_step(self.step)
 
     def resident(self, n_pages: int, capacity: int) -> list[int]:
         sinks = min(self.sink_pages, max(0, capacity - 1), n_pages)  # the tail always gets a slot
