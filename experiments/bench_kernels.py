@@ -307,6 +307,8 @@ def provenance() -> dict:
                                     capture_output=True, text=True, timeout=10).stdout.strip())
     except Exception:  # noqa: BLE001 - no git there
         commit, dirty = "unknown", True
+    if os.environ.get("KVSTREAM_GIT_COMMIT"):  # a copied checkout's stale git: see draft_threshold.provenance
+        commit, dirty = os.environ["KVSTREAM_GIT_COMMIT"], False
     return dict(gpu=torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu",
                 torch=torch.__version__, triton=triton.__version__, commit=commit, dirty=dirty,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),

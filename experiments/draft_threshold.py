@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -117,13 +118,18 @@ def _load(cfg: StudyConfig):
 
 
 def provenance() -> dict:
+    """Commit, GPU and versions for a row. ``KVSTREAM_GIT_COMMIT`` names the commit of a copied
+    checkout whose git metadata is missing or stale (a remote GPU machine's copy of the tree): the
+    tree is then taken to be that commit, clean."""
     def git(*args):
         try:
             return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             return ""
     import triton
-    return {"git_commit": git("rev-parse", "HEAD") or "unknown", "git_dirty": bool(git("status", "--porcelain")),
+    named = os.environ.get("KVSTREAM_GIT_COMMIT")
+    return {"git_commit": named or git("rev-parse", "HEAD") or "unknown",
+            "git_dirty": False if named else bool(git("status", "--porcelain")),
             "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
 
