@@ -233,6 +233,15 @@ def splits_for(n_q: int, n_heads: int, n_kv_heads: int, max_keys: int, device: t
     return num_splits(n_kv_heads, triton.cdiv(max_keys, block_n) + 1, device, programs_per_sm)
 
 
+def max_splits(n_q: int, n_heads: int, n_kv_heads: int, n_pages: int, calls: int, device: torch.device) -> int:
+    """The most splits ``calls`` calls over contiguous page ranges of ``n_pages`` pages in all
+    can take, each with ``splits_for`` its range: per call at most its tiles + 1 and at most the
+    count that fills the GPU. A buffer of these rows holds every such plan's partials."""
+    block_n, _, _, programs_per_sm = LAUNCH[max(16, triton.next_power_of_2(n_q * (n_heads // n_kv_heads)))]
+    fill = num_splits(n_kv_heads, 1 << 30, device, programs_per_sm)
+    return max(1, min(calls * fill, n_pages * triton.cdiv(PAGE_TOKENS, block_n) + calls))
+
+
 def _device_scalar(x, device: torch.device, name: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or x.dtype not in (torch.int32, torch.int64) or x.device != device:
@@ -246,10 +255,12 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      page_table: torch.Tensor, seq_len, k_fmt: PageFormat, v_fmt: PageFormat, *,
                      scale: float | None = None, key_start=None, key_end=None,
                      n_splits: int | None = None, return_partials: bool = False,
-                     out: torch.Tensor | None = None):
+                     out: torch.Tensor | None = None, partials: Partials | None = None):
     """Attention of q [n_q, n_heads, head_dim] over paged K/V: out [n_q, n_heads, head_dim]
     in q.dtype, or its Partials ([n_splits, n_q, n_heads(, head_dim)] fp32) when
-    return_partials. seq_len, key_start, key_end: int or 1-element int tensor on q's device."""
+    return_partials. seq_len, key_start, key_end: int or 1-element int tensor on q's device.
+    ``partials``: where the partials go (its first n_splits rows, returned as a view), e.g. one
+    buffer for several calls whose partials then merge without a copy."""
     if q.dim() != 3 or q.dtype not in Q_DTYPES or q.stride(-1) != 1:
         raise ValueError(f"q must be [n_q, n_heads, head_dim] in {Q_DTYPES} with last dim "
                          f"contiguous, got {q.dtype} {tuple(q.shape)} stride {q.stride()}")
@@ -292,9 +303,18 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         raise ValueError(f"out must be {list(q.shape)} in {Q_DTYPES} with last dim contiguous, "
                          f"got {out.dtype} {tuple(out.shape)} stride {out.stride()}")
     f32 = dict(dtype=torch.float32, device=dev)
-    part = Partials(torch.empty(n_splits, n_q, n_heads, **f32),
-                    torch.empty(n_splits, n_q, n_heads, **f32),
-                    torch.empty(n_splits, n_q, n_heads, d, **f32))
+    if partials is None:
+        part = Partials(torch.empty(n_splits, n_q, n_heads, **f32),
+                        torch.empty(n_splits, n_q, n_heads, **f32),
+                        torch.empty(n_splits, n_q, n_heads, d, **f32))
+    else:
+        part = Partials(*(x[:n_splits] for x in partials))
+        want = [(n_splits, n_q, n_heads)] * 2 + [(n_splits, n_q, n_heads, d)]
+        if [tuple(x.shape) for x in part] != want or any(
+                x.dtype != torch.float32 or x.device != dev or not x.is_contiguous() for x in part):
+            raise ValueError(f"partials must be contiguous fp32 m, l [>= {n_splits}, {n_q}, {n_heads}] and acc "
+                             f"[>= {n_splits}, {n_q}, {n_heads}, {d}] on {dev}, got "
+                             f"{[(x.dtype, tuple(x.shape)) for x in partials]}")
     p_len = _device_scalar(seq_len, dev, "seq_len")
     p_start = _device_scalar(key_start, dev, "key_start") if key_start is not None else p_len
     p_end = _device_scalar(key_end, dev, "key_end") if key_end is not None else p_len

@@ -29,6 +29,7 @@ import torch
 
 from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS, PageFormat
+from kernels.reference import Partials
 from policies.residency import NewestResident
 
 from .arena import ALIGN, Arena, ArenaTooSmall, Layout
@@ -477,7 +478,12 @@ class PagedCache(CacheBase):
         L = self.length + self._n
         if self._n > MAX_N_Q:
             return self._prefill_attention(layer, q, L)
-        parts = []
+        parts, used = [], 0
+        # several rounds: their partials fill one buffer, sized for any plan of this cache (the
+        # most rounds its ring allows): a plan's own sizes would fall into other classes of the
+        # allocator's segments than the reserve pass measured, and overrun the slab
+        buf = None if len(self.rounds) == 1 else self.ops.partials_buffer(
+            q, self.k_fmt, self.max_pages, -(-self.max_pages // max(1, self.ring_pages // 2)))
         for r, (a, b, streamed) in enumerate(self.rounds):
             if streamed and not (self._wrap and layer < self.group and r == 0):  # wait for the ring's copy
                 self.copier.wait(self._half(layer, r))
@@ -487,10 +493,14 @@ class PagedCache(CacheBase):
                 start, end = self.round_keys[r]
                 parts.append(self.ops.partials(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt,
                                                self.v_fmt, key_start=start, key_end=end,
-                                               max_keys=(b - a) * PAGE_TOKENS))
+                                               max_keys=(b - a) * PAGE_TOKENS,
+                                               into=None if buf is None else Partials(*(x[used:] for x in buf))))
+                used += parts[-1].m.shape[0]
             if streamed:
                 self.copier.release(self._half(layer, r))
             self._next_copy(layer, r)
+        if buf is not None:  # the rounds' partials side by side: merged as one
+            parts = [Partials(*(x[:used] for x in buf))]
         return out if not parts else self.ops.merge(parts, q.dtype)
 
     def _prefill_attention(self, layer: int, q: torch.Tensor, L: int) -> torch.Tensor:

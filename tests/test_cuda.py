@@ -283,6 +283,41 @@ def test_graphed_decode_matches_eager_at_32k(tmp_path, dtype):
     assert torch.equal(graphed, eager)
 
 
+def test_every_streaming_plan_fits_the_reserved_decode_slab(tmp_path):
+    """Each decode width 1..5 (both logits kinds), captured at contexts whose streaming plans
+    differ (rounds, and the pages each covers), fits the decode slab the reserve pass measured at
+    the end of the context. The 1.5B's attention shapes, a 64-slot ring: sized per plan, the
+    rounds' partials fell into other allocator segment classes than the reserve pass saw, and a
+    1.5B study failed at 18432 tokens only (a 20 MiB segment refused beside 22 MiB in use)."""
+    from kvstream.arena import ALIGN
+    from kvstream.cache_factory import make_cache, phase_slabs
+    from kvstream.config import ArenaConfig, CacheConfig
+    from kvstream.cuda_graph import GraphedModel
+    from kernels.formats import PageFormat
+    from kvstream.generate import prefill, warm_widths
+
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", LONG), torch.float16, "cuda")
+    cfg, max_tokens, chunk = CacheConfig(mode="stream", ring_pages="64"), 22528, 256
+    slabs = phase_slabs(cfg, m, max_tokens, chunk, verify_width=5)
+    pair = sum(PageFormat(t, LONG.n_kv_heads, LONG.head_dim).page_bytes for t in ("q8_0", "q4_0"))
+    # ~30 resident pages per layer while decoding (2 rounds from 63 pages, 3 from 95), at least 2
+    # while prefilling
+    nbytes = max(slabs["decode"] + LONG.n_layers * 30 * pair, slabs["prefill"] + LONG.n_layers * 2 * pair)
+    arena = ArenaConfig(mib=str((nbytes + 64 * pair + 4 * ALIGN) / 2**20))
+    toks = torch.randint(0, 357, (max_tokens,), generator=torch.Generator().manual_seed(5)).tolist()
+    plans = set()
+    with torch.inference_mode():
+        for context in range(9472, max_tokens - 5, 1024):
+            cache, step = make_cache(cfg, arena, m, max_tokens, chunk, verify_width=5, slabs=slabs), GraphedModel(m)
+            prefill(m, cache, toks[:context], chunk)
+            cache.set_phase("decode")
+            warm_widths(step, cache, [(w, every) for w in range(1, 6) for every in (False, True)])
+            plans.add(tuple(b - a for a, b, _ in cache.rounds))
+            del step, cache  # the graphs first: they hold the slab's segments
+    torch.cuda.synchronize()
+    assert sum(len(p) > 1 for p in plans) >= 5, plans  # several multi-round plans were captured
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_host_store_holds_every_committed_page_after_a_long_prefill(tmp_path, dtype):
     """The host store is authoritative: after a 32000-token prefill in 512-token chunks (each

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.decode_attention import decode_attention, merge
+from kernels.decode_attention import decode_attention, max_splits, merge, splits_for
 from kernels.formats import PAGE_TOKENS, PageFormat
 
 # (K type, V type, head_dim, n_kv_heads, GQA, n_q, L, n_splits, q dtype): every type pair,
@@ -139,6 +139,21 @@ def test_segments_merge_to_one_pass(kt, vt, boundary, make_pool, gen, device):
     torch.testing.assert_close(reference.finalize(reference.merge_partials(ra, rb)), ref,
                                rtol=1e-5, atol=1e-6)
 
+    # the three calls' partials written side by side into one buffer (as a paged cache's
+    # rounds do) merge as one, without a copy: the same rows, so bit-identical
+    n = [len(x.m) for x in (pa, empty, pb)]
+    buf = reference.Partials(*(torch.full((sum(n) + 5, *x.shape[1:]), math.nan, device=device)
+                               for x in pa))  # 5 rows more, never written nor read
+    rest = lambda used: reference.Partials(*(x[used:] for x in buf))  # noqa: E731
+    got = [decode_attention(q, k_pool, v_pool, table_a, L, kf, vf, key_end=boundary, n_splits=3,
+                            return_partials=True, partials=rest(0)),
+           decode_attention(q, k_ring, v_ring, table_b, L, kf, vf, key_start=boundary, key_end=boundary,
+                            n_splits=2, return_partials=True, partials=rest(n[0])),
+           decode_attention(q, k_ring, v_ring, table_b, L, kf, vf, key_start=boundary, return_partials=True,
+                            partials=rest(n[0] + n[1]))]
+    assert all(g.acc.data_ptr() == buf.acc[u:].data_ptr() for g, u in zip(got, (0, n[0], n[0] + n[1])))
+    assert torch.equal(merge(reference.Partials(*(x[:sum(n)] for x in buf)), dtype=torch.float32), merged)
+
     # lengths as device tensors (CUDA-graph form) give bit-identical results
     t = lambda x: torch.tensor([x], device=device)  # noqa: E731
     pb_t = decode_attention(q, k_ring, v_ring, table_b, t(L), kf, vf, key_start=t(boundary),
@@ -180,6 +195,9 @@ def test_decode_rejects_bad_inputs(device):
         (dict(v_fmt=PageFormat("q4_0", 1, 64)), "must agree on n_kv_heads"),
         (dict(seq_len=torch.tensor([600.0], device=device)), "seq_len must be an int or a 1-element"),
         (dict(seq_len=800), r"covers 768 tokens, the key range needs 800 \(4 pages\)"),
+        (dict(n_splits=3, partials=reference.Partials(*(torch.empty(2, 2, 12, *d, device=device)
+                                                         for d in ((), (), (64,))))),
+         r"partials must be contiguous fp32 m, l \[>= 3, 2, 12\]"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -199,3 +217,22 @@ def test_decode_past_2gib(t, big_pool, make_pool, gen, device):
     want = reference.decode_attention(q.cpu(), small, small, torch.arange(3, dtype=torch.int32),
                                       700, fmt, fmt)
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=tolerance(small, torch.arange(3), fmt))
+
+
+@pytest.mark.parametrize("n_sm", [4, 132])
+def test_max_splits_bounds_every_plan(n_sm, device, monkeypatch):
+    """A paged cache's rounds (contiguous page ranges, each with ``splits_for`` its keys) never
+    take more splits than ``max_splits`` for the pages and rounds in all: its buffer holds them.
+    The H200's 132 SMs too: there the per-call GPU-filling count binds less often than tiles."""
+    import kernels.decode_attention as da
+
+    monkeypatch.setattr(da, "_n_sm", lambda _: n_sm)
+    gen = torch.Generator().manual_seed(0)
+    for n_q, n_heads, n_kv in ((1, 12, 2), (5, 12, 2), (6, 14, 2), (16, 8, 8)):
+        for _ in range(200):
+            n_pages = int(torch.randint(1, 200, (1,), generator=gen))
+            calls = int(torch.randint(1, n_pages + 1, (1,), generator=gen))
+            cuts = sorted(torch.randperm(n_pages - 1, generator=gen)[:calls - 1].add(1).tolist())
+            sizes = [b - a for a, b in zip([0, *cuts], [*cuts, n_pages])]
+            used = sum(splits_for(n_q, n_heads, n_kv, m * PAGE_TOKENS, device) for m in sizes)
+            assert used <= max_splits(n_q, n_heads, n_kv, n_pages, calls, device)
