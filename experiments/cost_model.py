@@ -57,6 +57,21 @@ class CostModel:
     round_draft_s: tuple = ()
     round_tokens: tuple = ()
     page_s: float = 0.0
+    # with a fixed ring, the page cost per streaming-round count (a plan of more rounds captures a
+    # larger graph, and a multi-round plan re-captures at every page): page_rounds[i] rounds cost
+    # page_s_rounds[i] (interpolated, flat beyond the ends); rounds from ring_round_pages streamed
+    # pages per round. Empty: page_s for every count
+    page_rounds: tuple = ()
+    page_s_rounds: tuple = ()
+    ring_round_pages: float = math.inf
+
+    def page_seconds(self, streamed_pages):
+        """The per-page cost of a state streaming ``streamed_pages`` pages per layer (0: none)."""
+        streamed = np.asarray(streamed_pages, float)
+        if not self.page_rounds:
+            return np.where(streamed > 0, self.page_s, 0.0)
+        rounds = np.maximum(1, np.ceil(streamed / self.ring_round_pages))
+        return np.where(streamed > 0, np.interp(rounds, self.page_rounds, self.page_s_rounds), 0.0)
 
     def rounds(self, pages):
         """(drafted, draft seconds, kept tokens) per round at ``pages`` pages per layer."""
@@ -72,7 +87,7 @@ class CostModel:
 
     def tok_s(self, pages, streamed_pages, draft: bool):
         """Predicted decode tokens/s with or without the draft (numpy arrays broadcast)."""
-        per_page = np.where(np.asarray(streamed_pages, float) > 0, self.page_s / PAGE, 0.0)
+        per_page = self.page_seconds(streamed_pages) / PAGE
         if not draft:
             return 1.0 / (self.target_s(pages, streamed_pages, 1) + per_page)
         drafted, draft_s, tokens = self.rounds(pages)
@@ -140,14 +155,30 @@ def target_seconds(steps: pd.DataFrame) -> pd.Series:
     return steps["step_s"] - steps["draft_s"] * (steps["draft_active"].astype(bool) & ~in_place(steps))
 
 
+def page_costs(steps: pd.DataFrame, paying: pd.Series) -> dict:
+    """``page_cost`` per streaming-round count (the steps' ``rounds``), for ``CostModel``'s
+    ``page_rounds`` / ``page_s_rounds``; {} when the steps do not say."""
+    extra = _opening_extras(steps, paying)
+    if "rounds" not in steps or extra.empty:
+        return {}
+    by = extra.groupby(steps.loc[extra.index, "rounds"].astype(int)).mean().clip(lower=0.0)
+    return dict(page_rounds=tuple(map(int, by.index)), page_s_rounds=tuple(map(float, by)))
+
+
 def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
     """Mean extra target time of the steps that open a page while pages stream (when the plan's
     copies change, its CUDA graphs are re-captured: ~0.1 s on the H200, against ~0.5 s of
     drafting rounds per page; a mean, since with ``cache.residency_step`` k only one opening in
     k does), over the median step of the same run and design point; steps that still pay a
     transition (``paying``) left out. 0 when no such step, or the steps do not say."""
+    extra = _opening_extras(steps, paying)
+    return max(0.0, float(extra.mean())) if len(extra) else 0.0
+
+
+def _opening_extras(steps: pd.DataFrame, paying: pd.Series) -> pd.Series:
+    """``page_cost``'s steps (those opening a page while pages stream) and their extra seconds."""
     if not {"run_id", "context"} <= set(steps.columns):
-        return 0.0
+        return pd.Series(dtype=float)
     active = steps["draft_active"].astype(bool)
     s = steps.assign(target_s=target_seconds(steps))
     point = [s["run_id"], s["streamed_pages"], s["verify_width"], s["pages_per_layer"]]
@@ -157,8 +188,7 @@ def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
     # run-ahead), so it opens the page one token early
     launched = -(-(s["context"] + (~active | in_place(steps))) // PAGE)
     opens = launched > launched.groupby(s["run_id"]).shift()
-    picked = extra[opens & (s["streamed_pages"] > 0) & ~paying & (by.transform("size") >= 3)]
-    return max(0.0, float(picked.mean())) if len(picked) else 0.0
+    return extra[opens & (s["streamed_pages"] > 0) & ~paying & (by.transform("size") >= 3)]
 
 
 def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:
@@ -272,4 +302,14 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
                      tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
                      rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
                      eject_s=eject_cost(steps) + (0.0 if runs is None else eject_seconds(runs)),
-                     e=copy_line[0], f=copy_line[1], page_s=page_cost(steps, paying), **per)
+                     e=copy_line[0], f=copy_line[1], page_s=page_cost(steps, paying), **per,
+                     **(dict(ring_round_pages=half, **page_costs(steps, paying)) if (half := round_pages(runs)) else {}))
+
+
+def round_pages(runs: pd.DataFrame | None) -> int | None:
+    """Streamed pages per round (half a fixed ring) of the study's runs; None: not one fixed ring
+    (``cache.ring_pages=auto`` streams in one round), or the runs do not say."""
+    if runs is None or "config" not in runs:
+        return None
+    rings = {str(json.loads(c).get("cache", {}).get("ring_pages")) for c in runs["config"].dropna()}
+    return max(1, int(rings.pop()) // 2) if len(rings) == 1 and next(iter(rings)).isdigit() else None

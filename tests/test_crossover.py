@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 
 from experiments.cost_model import (CostModel, acceptance_per_token, after_transition, eject_cost, eject_seconds,
-                                    fit_cost_model, page_cost)
+                                    fit_cost_model, page_cost, page_costs, round_pages)
 from experiments.crossover import (PAGE, analyze, best_threshold, capacity_curve, crossover, decode_table,
                                    eject_threshold, main, predicted_crossover)
 from experiments.plot_draft_thresholds import plot, title
@@ -302,6 +302,34 @@ def test_a_page_opened_while_streaming_costs_once_per_page():
     assert 1 / m.tok_s(p, 5, True) == pytest.approx(1 / TRUE.tok_s(p, 5, True) + 0.1 / PAGE)
     ctx = np.arange(PAGE, 80 * PAGE, PAGE)
     assert predicted_crossover(m, CAP_WITH, CAP_WITHOUT, ctx)[1]["pages_per_layer"] < analytic_crossover_pages(TRUE)
+
+
+def test_the_page_cost_grows_with_the_streaming_rounds():
+    """A plan of more rounds captures a larger graph (and, streaming in several rounds, re-captures
+    at every page): openings cost 0.03 s in one round and 0.09 s in two, here with rounds of 4
+    streamed pages (a fixed ring of 8). page_costs recovers both; tok_s charges each state the
+    cost of its own round count, flat beyond the measured ones; a ring that is not one fixed size
+    has no round size, and the model keeps one mean cost."""
+    rows = []
+    for p in range(CAP_WITH - 2, CAP_WITH + 9):
+        streamed = max(0, p - CAP_WITH)
+        rounds = max(1, -(-streamed // 4))
+        for i in range(10):
+            recapture = (0.03 if rounds == 1 else 0.09) if streamed and not i else 0.0
+            rows.append(dict(run_id="keep", context=(p - 1) * PAGE + 1 + i, pages_per_layer=p, streamed_pages=streamed,
+                             rounds=rounds, verify_width=5, draft_s=4 * DRAFT_S, draft_active=True,
+                             step_s=TRUE.target_s(p, streamed, 5) + 4 * DRAFT_S + recapture))
+    steps = pd.DataFrame(rows)
+    costs = page_costs(steps, pd.Series(False, index=steps.index))
+    assert costs["page_rounds"] == (1, 2) and costs["page_s_rounds"] == pytest.approx((0.03, 0.09))
+    assert page_costs(steps.drop(columns="rounds"), pd.Series(False, index=steps.index)) == {}
+    m = replace(TRUE, page_s=0.06, ring_round_pages=4, **costs)
+    assert m.page_seconds([0, 3, 4, 5, 8, 40]) == pytest.approx([0, 0.03, 0.03, 0.09, 0.09, 0.09])
+    assert 1 / m.tok_s(20, 6, False) == pytest.approx(TRUE.target_s(20, 6, 1) + 0.09 / PAGE)
+    runs = lambda ring: pd.DataFrame(dict(config=[json.dumps(dict(cache=dict(ring_pages=ring)))]))  # noqa: E731
+    assert round_pages(runs("8")) == 4 and round_pages(runs("auto")) is None and round_pages(None) is None
+    fitted = fit_cost_model(make_steps(), runs("8"))  # one step per page: no opening to measure
+    assert fitted.ring_round_pages == 4 and fitted.page_rounds == () and fitted.page_s == 0.0
 
 
 def test_steps_that_still_pay_for_a_transition_are_marked():
