@@ -163,7 +163,8 @@ class PagedCache(CacheBase):
         self._stage = [torch.empty(self._step.shape, dtype=torch.int64, pin_memory=self.copier.cuda) for _ in range(2)]
         self._staged = [torch.cuda.Event() for _ in range(2)] if self.copier.cuda else None
         self._n_staged = 0
-        self._layout_version = self._plan_version = 0
+        self._layout_version = 0
+        self._plan_sig = None  # the streamed pages' rounds (and grouping) that the round keys are for
         self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
         self._primed = None  # the plan_key (layout and plan) whose first round ring half 0 holds, copied by the last step's end
         self.slab_pool: SlabPool | None = None  # CUDA: the current phase's compute buffers, in the slab
@@ -327,15 +328,22 @@ class PagedCache(CacheBase):
                     start, streamed = p, []
                 streamed.append(p)
         self.rounds.append((start, n_pages, streamed))
-        keys = [(a * PAGE_TOKENS, b * PAGE_TOKENS if i < len(self.rounds) - 1 else None)
-                for i, (a, b, _) in enumerate(self.rounds)]  # the last round runs to the sequence's end
-        if self.ops.triton:  # as device scalars, made once per plan rather than per layer and round
-            flat = torch.tensor([k if k is not None else 0 for ab in keys for k in ab], device=self.device)
-            keys = [(flat[2 * i:2 * i + 1], None if e is None else flat[2 * i + 1:2 * i + 2])
-                    for i, (_, e) in enumerate(keys)]
-        self.round_keys = keys
         streamed = len(self.rounds[0][2])
         self.group = group_size(self.n_layers, half // streamed) if len(self.rounds) == 1 and streamed else 1
+        # a captured step depends on the plan only through its copies, round keys and split counts:
+        # all set by the streamed pages (and their grouping). The last round runs to the sequence's
+        # end, its splits sized to the table's, so a new page that leaves the streamed pages as they
+        # were (nothing streamed, or a residency step) keeps the graphs, in one round or several
+        sig = (tuple((a, tuple(pages)) for a, _, pages in self.rounds), self.group)
+        if sig != self._plan_sig:
+            keys = [(a * PAGE_TOKENS, b * PAGE_TOKENS if i < len(self.rounds) - 1 else None)
+                    for i, (a, b, _) in enumerate(self.rounds)]
+            if self.ops.triton:  # as device scalars, made once per plan rather than per layer and round
+                flat = torch.tensor([k if k is not None else 0 for ab in keys for k in ab], device=self.device)
+                keys = [(flat[2 * i:2 * i + 1], None if e is None else flat[2 * i + 1:2 * i + 2])
+                        for i, (_, e) in enumerate(keys)]
+            self.round_keys = keys  # kept with the plan: its captured steps read these tensors
+            self._plan_sig = sig
         # the page tables, a column per page for all layers at once (per-element writes from
         # Python took 5-20 ms per plan at 28 layers x 128 pages: results/capture)
         layers = torch.arange(self.n_layers, dtype=torch.int32)[:, None]  # _half and _pool_slot take it whole
@@ -348,13 +356,6 @@ class PagedCache(CacheBase):
             self.tables_host[:, list(pages)] = self._pool_slot(layers, torch.tensor(slots, dtype=torch.int32))
         self.tables.copy_(self.tables_host)
         self._n_pages = n_pages
-        # a captured step depends on the plan only through its copies and round keys. In one
-        # round the attention call reads the table in place and no round keys: the copies (the
-        # streamed pages, their grouping) are all, so a new page that leaves them as they were
-        # (nothing streamed, or a residency step) keeps the graphs. Several rounds: new ones.
-        self._plan_version += 1
-        self._plan_sig = ("one round", tuple(self.rounds[0][2]), self.group) if len(self.rounds) == 1 else \
-            self._plan_version
 
     def _half(self, layer, r: int):  # layer: an int, or an int tensor
         return ((layer // self.group) * len(self.rounds) + r) % 2  # consecutive copies alternate halves
@@ -493,7 +494,8 @@ class PagedCache(CacheBase):
                 start, end = self.round_keys[r]
                 parts.append(self.ops.partials(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt,
                                                self.v_fmt, key_start=start, key_end=end,
-                                               max_keys=(b - a) * PAGE_TOKENS,
+                                               max_keys=((b if r < len(self.rounds) - 1 else self.max_pages) - a)
+                                               * PAGE_TOKENS,  # the last round's splits: not per page
                                                into=None if buf is None else Partials(*(x[used:] for x in buf))))
                 used += parts[-1].m.shape[0]
             if streamed:

@@ -86,28 +86,35 @@ def test_stream_one_round_is_bit_identical_to_resident(model, tokens, resident_l
     assert torch.equal(logits, resident_logits)
 
 
-@pytest.mark.parametrize("step, plans", [(1, 4), (3, 2)])
-def test_a_residency_step_keeps_the_plan_across_page_openings_exactly(model, step, plans):
+@pytest.mark.parametrize("ring, step, plans", [(16, 1, 4), (16, 3, 2), (4, 1, 4), (4, 3, 2)])
+def test_a_residency_step_keeps_the_plan_across_page_openings_exactly(model, ring, step, plans):
     """700 decode steps open pages 8, 9 and 10, with 6 resident pages per layer. With residency
-    step 3 the oldest pages leave 3 at a time: the one-round plan (all a captured step depends
-    on) changes once in the decode instead of three times. The logits equal the resident
-    cache's bit for bit either way (one attention call over the same bytes)."""
+    step 3 the oldest pages leave 3 at a time: the plan (all a captured step depends on) changes
+    once in the decode instead of three times, in one round (ring 16) and in 2-3 rounds (ring 4,
+    2 streamed pages a round: the last round's split count does not follow the pages). One
+    round: the logits equal the resident cache's bit for bit (one attention call over the same
+    bytes); several: only the merge order differs (fp32 softmax sums, 1e-4 of the largest)."""
     decode, max_tokens = 700, 3072
     toks = torch.randint(0, 357, (PROMPT + decode,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = run(model, paged(model, "resident", max_tokens=max_tokens), toks, decode)
-    cache = paged(model, "stream", mib=small_arena_mib(model, 6, 16, max_tokens), ring=16, max_tokens=max_tokens,
+    cache = paged(model, "stream", mib=small_arena_mib(model, 6, ring, max_tokens), ring=ring, max_tokens=max_tokens,
                   step=step)
-    keys, begin = set(), cache.begin
+    keys, rounds, begin = set(), set(), cache.begin
 
     def tracked(n):
         pos = begin(n)
         if cache.phase == "decode":
             keys.add(cache.plan_key())
+            rounds.add(len(cache.rounds))
         return pos
 
     cache.begin = tracked
-    assert torch.equal(run(model, cache, toks, decode), ref)
-    assert cache.capacity == 6 and cache.stats.rounds == 1 and len(keys) == plans
+    got = run(model, cache, toks, decode)
+    assert cache.capacity == 6 and len(keys) == plans
+    if ring == 16:
+        assert rounds == {1} and torch.equal(got, ref)
+    else:
+        assert max(rounds) >= 3 and (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
 def test_auto_ring_streams_each_layer_in_one_round(model, tokens, resident_logits):
