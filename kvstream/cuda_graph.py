@@ -5,10 +5,9 @@ slots written in place into the cache's static buffers; after a plan change, the
 first streamed round, which a step otherwise finds made by the step before) and of its end
 (``cache.commit``: the written pages back to the host store) run eagerly around the replay;
 everything between, streaming copies included, is the graph. A plan that streams pages gets
-new graphs when its copies change: at every page opening with several rounds, and in one round
-when the streamed pages change (every page, or every ``cache.residency_step`` pages); a
-resident plan keeps them (the page table is read in place); a re-layout (phase switch, draft
-eject / re-enable) drops them.
+new graphs when its streamed pages change (every page, or every ``cache.residency_step``
+pages), in one round or several; a resident plan keeps them (the page table is read in place);
+a re-layout (phase switch, draft eject / re-enable) drops them.
 
 Eager and graphed steps run the same kernels on the same bytes in the same order, so their
 logits are bit-identical: tested on the H200 (tests/test_cuda.py) up to 1K tokens, after a

@@ -14,7 +14,7 @@ not change between modes. Per forward pass of n new tokens at positions [L, L + 
    copy has a fixed cost of a few microseconds, which small sets otherwise spend more time on
    than on their bytes (``experiments/bench_copies.py``). One round: a single attention
    call over every page, exactly the resident-mode call. Several rounds: the kernel's
-   partials per round, merged. Prefill chunks (n > 16) gather dequantized pages and use SDPA.
+   partials per round, side by side in one buffer sized from shapes, merged. Prefill chunks (n > 16) gather dequantized pages and use SDPA.
    A decode step copies the *next* step's first round (of its first group) at its end, under
    its last layer (group) and the LM head (the plan rarely changes between steps; when it does,
    ``begin`` copies it again): copy-bound steps then keep the copy engine busy from one step
