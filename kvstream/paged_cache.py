@@ -163,7 +163,7 @@ class PagedCache(CacheBase):
         self._stage = [torch.empty(self._step.shape, dtype=torch.int64, pin_memory=self.copier.cuda) for _ in range(2)]
         self._staged = [torch.cuda.Event() for _ in range(2)] if self.copier.cuda else None
         self._n_staged = 0
-        self._layout_version = 0
+        self._layout_version = self._plan_version = 0
         self._plan_sig = None  # the streamed pages' rounds (and grouping) that the round keys are for
         self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
         self._primed = None  # the plan_key (layout and plan) whose first round ring half 0 holds, copied by the last step's end
@@ -344,6 +344,7 @@ class PagedCache(CacheBase):
                         for i, (_, e) in enumerate(keys)]
             self.round_keys = keys  # kept with the plan: its captured steps read these tensors
             self._plan_sig = sig
+            self._plan_version += 1  # new key tensors: a plan that comes back (A, B, A) is new to the graphs
         # the page tables, a column per page for all layers at once (per-element writes from
         # Python took 5-20 ms per plan at 28 layers x 128 pages: results/capture)
         layers = torch.arange(self.n_layers, dtype=torch.int32)[:, None]  # _half and _pool_slot take it whole
@@ -439,7 +440,7 @@ class PagedCache(CacheBase):
 
     def plan_key(self) -> tuple:
         """What a captured step depends on besides the static buffers: layout and plan."""
-        return (self._layout_version, self._plan_sig)
+        return (self._layout_version, self._plan_version)
 
     def ring_copies(self, layer: int, r: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """(ring rows, host rows, ring half) of round ``r`` of the layer group that starts at
@@ -480,11 +481,15 @@ class PagedCache(CacheBase):
         if self._n > MAX_N_Q:
             return self._prefill_attention(layer, q, L)
         parts, used = [], 0
-        # several rounds: their partials fill one buffer, sized for any plan of this cache (the
-        # most rounds its ring allows): a plan's own sizes would fall into other classes of the
-        # allocator's segments than the reserve pass measured, and overrun the slab
+        # several rounds: their partials fill one buffer. Decoding, it is sized for any plan of this
+        # cache (the most rounds its ring allows), as the reserve pass measured it: a plan's own sizes
+        # would fall into other classes of the allocator's segments, and overrun the slab; and the
+        # last round's splits are sized to the table, so that they do not change with each page (a
+        # captured step keeps them). A short prefill chunk (no graphs; a slab with a margin) sizes
+        # both to the pages there are
+        pages = self.max_pages if self.phase == "decode" else self._n_pages
         buf = None if len(self.rounds) == 1 else self.ops.partials_buffer(
-            q, self.k_fmt, self.max_pages, -(-self.max_pages // max(1, self.ring_pages // 2)))
+            q, self.k_fmt, pages, -(-pages // max(1, self.ring_pages // 2)))
         for r, (a, b, streamed) in enumerate(self.rounds):
             if streamed and not (self._wrap and layer < self.group and r == 0):  # wait for the ring's copy
                 self.copier.wait(self._half(layer, r))
@@ -494,8 +499,8 @@ class PagedCache(CacheBase):
                 start, end = self.round_keys[r]
                 parts.append(self.ops.partials(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt,
                                                self.v_fmt, key_start=start, key_end=end,
-                                               max_keys=((b if r < len(self.rounds) - 1 else self.max_pages) - a)
-                                               * PAGE_TOKENS,  # the last round's splits: not per page
+                                               max_keys=((b if r < len(self.rounds) - 1 else pages) - a)
+                                               * PAGE_TOKENS,
                                                into=None if buf is None else Partials(*(x[used:] for x in buf))))
                 used += parts[-1].m.shape[0]
             if streamed:

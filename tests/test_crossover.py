@@ -305,8 +305,8 @@ def test_a_page_opened_while_streaming_costs_once_per_page():
 
 
 def test_the_page_cost_grows_with_the_streaming_rounds():
-    """A plan of more rounds captures a larger graph (and, streaming in several rounds, re-captures
-    at every page): openings cost 0.03 s in one round and 0.09 s in two, here with rounds of 4
+    """A plan of more rounds captures a larger graph (and, before 6be990b, a multi-round plan
+    re-captured at every page): openings cost 0.03 s in one round and 0.09 s in two, here with rounds of 4
     streamed pages (a fixed ring of 8). page_costs recovers both; tok_s charges each state the
     cost of its own round count, flat beyond the measured ones; a ring that is not one fixed size
     has no round size, and the model keeps one mean cost."""

@@ -117,6 +117,28 @@ def test_a_residency_step_keeps_the_plan_across_page_openings_exactly(model, rin
         assert max(rounds) >= 3 and (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
+def test_a_plan_that_comes_back_after_a_rollback_is_a_new_plan(model):
+    """Round keys are device tensors a captured step reads; a plan change makes new ones (the old
+    are freed). So a plan that comes back (A, then B, then A again after a rollback, as a rejected
+    draft gives) has a new key, and graphs kept from its first time are not replayed."""
+    cache = paged(model, "stream", mib=small_arena_mib(model, 6, 4, 3072), ring=4, max_tokens=3072, step=3)
+    toks = torch.randint(0, 357, (2310,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.inference_mode():
+        prefill(model, cache, toks[:2300], CHUNK)  # 9 pages
+        cache.set_phase("decode")
+        keys = []
+        for n in (1, 5):  # 9 pages (A: 2 rounds), then 10 (B: the oldest resident pages leave, 3 of them)
+            cache.truncate(2300)
+            for t in toks[2300:2300 + n]:
+                model(torch.tensor([t]), cache)
+            keys.append((cache.plan_key(), list(cache.rounds)))
+        cache.truncate(2300)
+        model(torch.tensor(toks[2300:2301]), cache)  # A again
+    (a, rounds_a), (b, rounds_b) = keys
+    assert [r[2] for r in rounds_a] != [r[2] for r in rounds_b] and len(rounds_a) > 1 and cache.rounds == rounds_a
+    assert len({a, b, cache.plan_key()}) == 3
+
+
 def test_auto_ring_streams_each_layer_in_one_round(model, tokens, resident_logits):
     # an arena for ~4 resident pages per layer plus 8 ring slots: auto sizes the ring so that a
     # half holds every page a layer streams at full context (2048 tokens = 8 pages)
