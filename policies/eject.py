@@ -12,7 +12,7 @@ back to the resident-page pool; a *re-enable* pins them again. Families (DESIGN.
 - ``Auto``: no threshold; compares the goodput (tokens/s) measured online in each state and
   probes the other state when its measurement is missing or stale, unless what is left of the
   decode is too short to pay for the transitions (their costs as measured in this decode).
-  Below the onset it measures plain decoding in place (``MEASURE_PLAIN``), with no transition.
+  Near the onset it measures plain decoding in place (``MEASURE_PLAIN``), with no transition.
 
 Policies never read config; the entry point builds them (``build``).
 """
@@ -29,7 +29,7 @@ class Action(Enum):
     REENABLE = "reenable"
     # a few plain steps with the draft still pinned: where neither state streams (at or below
     # the onset) they run as an ejected draft's would, so they measure that state's goodput
-    # without the cost of an eject and a re-enable
+    # without the cost of an eject and a re-enable; a few pages above it, nearly so
     MEASURE_PLAIN = "measure_plain"
 
 
@@ -57,7 +57,8 @@ class Snapshot:
     reenable_s: float | None = None
     # MEASURE_PLAIN can be carried out now: the draft is pinned and is the only speculator (with
     # others, the ejected state still speculates), no transition is being charged, its plain steps
-    # all fit at or below the onset, and enough of the decode is left to use what they measure
+    # all fit at or below the onset or, above it, in the current page (the streamed pages stay
+    # as they are), and enough of the decode is left to use what they measure
     plain_in_place: bool = False
 
 
@@ -151,12 +152,16 @@ class Auto:
     has moved ``probe_pages`` pages (or the current goodput has fallen ``margin`` below it); a
     context that stands still sees one probe at most.
 
-    In the last page before the onset (anywhere below it without ``trust_onset``), with no fresh
-    measurement of plain decoding, it asks for
-    ``MEASURE_PLAIN``: plain steps with the draft still pinned. Nothing streams there in either
-    state, so they run as an ejected draft's would. When the context then crosses the onset,
-    that measurement stays fresh for ``probe_pages`` pages, and the comparison needs no probe. An eject and a
-    re-enable cost ~0.3 s on the H200 study; the plain steps cost only the tokens they do not
+    From the last page before the onset to ``in_place_pages`` pages above it (anywhere below
+    that without ``trust_onset``), with no fresh measurement of plain decoding, it asks for
+    ``MEASURE_PLAIN``: plain steps with the draft still pinned. Nothing streams below the onset
+    in either state, so they run as an ejected draft's would; above it they stream the few pages
+    the pinned draft displaces, which makes plain decoding look slower than ejected by ~5 us per
+    page per step on the H200 (the cost model's b: 8 pages, ~2% of a 2 ms step, under
+    ``margin``). That measurement stays fresh for ``probe_pages`` pages, and the comparison
+    needs no probe. An eject and a re-enable cost ~0.2-0.3 s on the H200 study (5% of a
+    4096-token decode at 10240 tokens, where the decode starts 4 pages above the onset:
+    results/draft_threshold_h200_final2); the plain steps cost only the tokens they do not
     draft.
 
     With ``horizon``, a transition must be able to pay for itself within the decode: the time
@@ -173,6 +178,7 @@ class Auto:
     margin: float = 0.03
     trust_onset: bool = True
     horizon: bool = True
+    in_place_pages: int = 8  # pages per layer above the onset where plain is still measured in place
 
     def _fresh(self, snap: Snapshot, pages: int | None) -> bool:
         return pages is not None and abs(snap.pages_per_layer - pages) <= self.probe_pages
@@ -189,9 +195,9 @@ class Auto:
 
     def decide(self, snap: Snapshot) -> Action:
         below = snap.pages_per_layer <= snap.capacity_with_draft
-        if below and snap.plain_in_place and snap.decodes_since_transition >= self.settle \
-                and not self._fresh(snap, snap.goodput_without_pages) \
-                and (not self.trust_onset or snap.pages_per_layer == snap.capacity_with_draft):
+        above = snap.pages_per_layer - snap.capacity_with_draft  # what the pinned draft streams
+        if snap.plain_in_place and above <= self.in_place_pages and (above >= 0 or not self.trust_onset) \
+                and snap.decodes_since_transition >= self.settle and not self._fresh(snap, snap.goodput_without_pages):
             return Action.MEASURE_PLAIN
         if self.trust_onset and below:
             return _toward(snap, True)
