@@ -155,14 +155,15 @@ class Auto:
     From the last page before the onset to ``in_place_pages`` pages above it (anywhere below
     that without ``trust_onset``), with no fresh measurement of plain decoding, it asks for
     ``MEASURE_PLAIN``: plain steps with the draft still pinned. Nothing streams below the onset
-    in either state, so they run as an ejected draft's would; above it they stream the few pages
-    the pinned draft displaces, which makes plain decoding look slower than ejected by ~5 us per
-    page per step on the H200 (the cost model's b: 8 pages, ~2% of a 2 ms step, under
-    ``margin``). That measurement stays fresh for ``probe_pages`` pages, and the comparison
-    needs no probe. An eject and a re-enable cost ~0.2-0.3 s on the H200 study (5% of a
-    4096-token decode at 10240 tokens, where the decode starts 4 pages above the onset:
-    results/draft_threshold_h200_final2); the plain steps cost only the tokens they do not
-    draft.
+    in either state, so they run as an ejected draft's would. Above it they also stream the
+    pages the pinned draft displaces (with ``cache.residency_step`` k, k at a time), so they
+    read plain decoding slower than an ejected draft runs it: in
+    results/draft_threshold_h200_final2 a verify step took 2.70 ms with nothing streamed, 2.75
+    with 3 pages and 2.83-3.11 with 6-9, so the bias may pass ``margin``, and it favours
+    keeping. Hence 0 by default: an experiment to run on the GPU. That measurement stays fresh
+    for ``probe_pages`` pages, and the comparison needs no probe. An eject and a re-enable cost
+    ~0.2-0.3 s on the H200 study (5% of a 4096-token decode at 10240 tokens, where the decode
+    starts 4 pages above the onset); the plain steps cost only the tokens they do not draft.
 
     With ``horizon``, a transition must be able to pay for itself within the decode: the time
     left (``tokens_left`` at the current goodput) is compared with the measured transition
@@ -178,7 +179,7 @@ class Auto:
     margin: float = 0.03
     trust_onset: bool = True
     horizon: bool = True
-    in_place_pages: int = 8  # pages per layer above the onset where plain is still measured in place
+    in_place_pages: int = 0  # pages per layer above the onset where plain is still measured in place
 
     def _fresh(self, snap: Snapshot, pages: int | None) -> bool:
         return pages is not None and abs(snap.pages_per_layer - pages) <= self.probe_pages
@@ -219,12 +220,13 @@ class Auto:
 
 def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_decodes: int = 4,
           probe_pages: int = 16, settle: int = 8, margin: float = 0.03, trust_onset: bool = True,
-          horizon: bool = True):
+          horizon: bool = True, in_place_pages: int = 0):
     """An eject policy by config name, wrapped in the default hysteresis (margin pages below
     the threshold to re-enable, ``stable_decodes`` batches between transitions; 0 turns each
     off). Names: onset, keep_pages, never, always, auto.
 
-    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset`` and ``horizon`` and
+    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset``, ``horizon`` and
+    ``in_place_pages`` and
     gets no ``ReenablePages`` (it has no threshold; freshness and ``margin`` are its
     hysteresis). ``StableDecodes`` wraps it as it wraps the others, so no transition comes
     sooner than ``stable_decodes`` batches after the last one; with ``settle >=
@@ -232,14 +234,15 @@ def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_de
     the transitions above it.
     """
     base = {"onset": Onset(), "keep_pages": KeepPages(keep_pages), "never": Never(), "always": Always(),
-            "auto": Auto(probe_pages, settle, margin, trust_onset, horizon)}
+            "auto": Auto(probe_pages, settle, margin, trust_onset, horizon, in_place_pages)}
     if name not in base:
         raise ValueError(f"policy.eject={name!r}; choose one of {', '.join(base)}")
     if name == "keep_pages" and keep_pages < 1:
         raise ValueError(f"policy.keep_pages must be >= 1 pages per layer for keep_pages, got {keep_pages}")
-    if name == "auto" and (probe_pages < 1 or settle < 1 or margin < 0):
-        raise ValueError(f"policy.eject=auto needs probe_pages >= 1, settle >= 1 and margin >= 0, got "
-                         f"probe_pages={probe_pages}, settle={settle}, margin={margin}")
+    if name == "auto" and (probe_pages < 1 or settle < 1 or margin < 0 or in_place_pages < 0):
+        raise ValueError(f"policy.eject=auto needs probe_pages >= 1, settle >= 1, margin >= 0 and in_place_pages "
+                         f">= 0, got probe_pages={probe_pages}, settle={settle}, margin={margin}, "
+                         f"in_place_pages={in_place_pages}")
     policy = base[name]
     if reenable_margin and isinstance(policy, KeepPages):
         policy = ReenablePages(policy, reenable_margin)

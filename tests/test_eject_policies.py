@@ -102,7 +102,7 @@ def auto_snap(pages, active, since=100, with_=None, without=None, **horizon):
     (auto_snap(CAP_WITH, True), Action.STAY),
     # not within `settle` batches of a transition
     (auto_snap(CAP_WITH, True, since=7, plain_in_place=True), Action.STAY),
-    # up to in_place_pages (8) above the onset too: the plain steps stream only the pages the pinned
+    # up to in_place_pages (here 8) above the onset too: the plain steps stream only the pages the pinned
     # draft displaces (nearly the ejected state's steps); farther above, or when the steps cannot be
     # made in place (another speculator, or a page would open among them), a probe
     (auto_snap(CAP_WITH + 1, True, since=8, with_=(50.0, CAP_WITH + 1), plain_in_place=True), Action.MEASURE_PLAIN),
@@ -114,9 +114,9 @@ def auto_snap(pages, active, since=100, with_=None, without=None, **horizon):
      Action.STAY),
 ])
 def test_auto_measures_plain_decoding_in_place_near_the_onset(snap, expected):
-    assert Auto().decide(snap) is expected
-    # in_place_pages 0: only in the onset's page, as before it existed
-    assert Auto(in_place_pages=0).decide(snap) is (
+    assert Auto(in_place_pages=8).decide(snap) is expected
+    # by default (0) only in the onset's page
+    assert Auto().decide(snap) is (
         Action.EJECT if snap.pages_per_layer > CAP_WITH and snap.goodput_without is None else expected)
 
 
@@ -242,7 +242,7 @@ def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, n
         action = policy.decide(Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, *measured[True], *measured[False],
                                         **horizon, plain_in_place=in_place and active))
         if action is Action.MEASURE_PLAIN:
-            assert active and pages <= CAP_WITH + Auto.in_place_pages, f"a plain measurement at {pages} pages"
+            assert active and pages <= CAP_WITH + 8, f"a plain measurement at {pages} pages"
             plain = []
             for _ in range(PLAIN_BATCHES):
                 dt = 1 / eject_goodput(start + generated // page_tokens) * rng.uniform(1 - noise, 1 + noise)
@@ -341,14 +341,15 @@ def test_auto_measuring_in_place_skips_the_probe_at_the_onset():
 
 
 def test_auto_measuring_in_place_a_few_pages_above_the_onset_skips_the_first_probe():
-    """A decode that starts 4 pages above the onset (as 10240 tokens did on the H200: a probe of
-    ~0.2 s there cost ~5% of the decode): plain decoding is measured in place, slightly slow (the
+    """With in_place_pages 8, a decode that starts 4 pages above the onset (as 10240 tokens did on
+    the H200: a probe of ~0.2 s there cost ~5% of the decode): plain decoding is measured in place, slightly slow (the
     pinned draft's 4 streamed pages), keeping wins by far more than that, and no eject comes
     before the measurement goes stale, 16 pages later. 7 pages above, the same; 9: a probe."""
     for seed in range(5):
         for above, probes in ((4, 0), (7, 0), (9, 1)):  # the context grows a page or two during `settle`
             start = CAP_WITH + above
-            off, on = (simulate(build("auto"), seed=seed, start=start, end=start + 16, in_place=p) for p in (False, True))
+            off, on = (simulate(build("auto", in_place_pages=8), seed=seed, start=start, end=start + 16, in_place=p)
+                       for p in (False, True))
             ejects = lambda run: sum(a is Action.EJECT for _, a in run.transitions)  # noqa: E731
             assert (ejects(off), ejects(on)) == (1, probes), (seed, above)
             if not probes:
@@ -362,8 +363,9 @@ def test_build_auto():
     assert isinstance(p, StableDecodes) and p.n == 4 and p.inner == Auto(probe_pages=16, settle=8, margin=0.03)
     assert build("auto", stable_decodes=0, probe_pages=8, settle=4, margin=0.1) == Auto(8, 4, 0.1)
     assert build("auto", horizon=False).inner.horizon is False and p.inner.horizon is True
-    for bad in ({"probe_pages": 0}, {"settle": 0}, {"margin": -0.1}):
-        with pytest.raises(ValueError, match="auto needs probe_pages >= 1, settle >= 1 and margin >= 0"):
+    assert build("auto", in_place_pages=8).inner.in_place_pages == 8 and p.inner.in_place_pages == 0
+    for bad in ({"probe_pages": 0}, {"settle": 0}, {"margin": -0.1}, {"in_place_pages": -1}):
+        with pytest.raises(ValueError, match="auto needs probe_pages >= 1, settle >= 1, margin >= 0 and in_place_pages >= 0"):
             build("auto", **bad)
 
 
