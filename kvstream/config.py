@@ -88,7 +88,6 @@ class PolicyConfig:
     margin: float = 0.03       # auto: relative goodput gain needed to switch state
     trust_onset: bool = True   # auto: keep the draft while nothing streams (false: compare goodputs there too)
     horizon: bool = True       # auto: no transition the decode's remaining tokens cannot pay for (false: off)
-    in_place_pages: int = 0    # auto: measure plain decoding in place up to this many pages above the onset
     draft_length: str = "fixed"  # fixed (spec.n_max) | heuristic (+2 / -1) | goodput (policies/draft_length.py)
     chain_order: str = "fixed"   # fixed | by_goodput (policies/chain_order.py)
 

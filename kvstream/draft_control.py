@@ -6,11 +6,9 @@ draft KV and its compute slab) back to the target's page pool; on REENABLE it pi
 from the host copy. Both re-lay the target's arena (``PagedCache.rearrange``): the pool grows or
 shrinks by the draft's bytes and resident pages are re-uploaded from the host store.
 
-Near the onset the policy may ask for ``MEASURE_PLAIN`` instead: a few plain steps with the
-draft still pinned. Below the onset nothing streams in either state, so those steps measure the
-ejected state's goodput with no re-layout; a few pages above it they also stream the pages the
-pinned draft displaces, inside one page (no re-capture): nearly the ejected state's steps. The
-engine then drafts nothing (``plain``).
+Below the onset the policy may ask for ``MEASURE_PLAIN`` instead: a few plain steps with the
+draft still pinned. Nothing streams there in either state, so those steps measure the
+ejected state's goodput with no re-layout. The engine then drafts nothing (``plain``).
 
 Goodput per state is measured as steady rounds plus a cost per page. The steady part is the mean
 tokens per batch over the median batch time of the state's latest batches, so a lone slow batch
@@ -152,13 +150,11 @@ class DraftControl:
     def snapshot(self, length: int | None = None, tokens_left: int | None = None) -> Snapshot:
         length = self.cache.length if length is None else length
         pages, n = -(-length // PAGE_TOKENS), PLAIN_CHARGED + GOODPUT_MIN
-        # every plain step, and the one queued after the last, inside the onset's page or below (nothing
-        # streams: the ejected state's steps), or above it inside the current page (the pinned draft's
-        # streamed pages stay as they are: no page opens, no graph is re-captured); and at least as much
-        # decode left after them as they take, to use what they measure
+        # every plain step, and the one queued after the last, inside the onset's page or below: they must
+        # not stream (they would measure the pinned draft's streaming, not the ejected state); and at least
+        # as much decode left after them as they take, to use what they measure
         in_place = self.measure_in_place and self.active and not self.plain and self.since > CHARGED and \
-            length + n + 1 <= max(self.capacity_with, pages) * PAGE_TOKENS and \
-            (tokens_left is None or tokens_left > 2 * n)
+            length + n + 1 <= self.capacity_with * PAGE_TOKENS and (tokens_left is None or tokens_left > 2 * n)
         return Snapshot(pages, self.capacity_with, self.capacity_without, self.active, self.since,
                         *self.goodput(True, pages), *self.goodput(False, pages), tokens_left, self.cost("eject"),
                         self.cost("reenable"), in_place)

@@ -53,7 +53,7 @@ def eject_policy(p: PolicyConfig):
                          f"to measure its rate)")
     return eject.build(p.eject, keep_pages=p.keep_pages, reenable_margin=p.reenable_margin,
                        stable_decodes=p.stable_decodes, probe_pages=p.probe_pages, settle=p.settle, margin=p.margin,
-                       trust_onset=p.trust_onset, horizon=p.horizon, in_place_pages=p.in_place_pages)
+                       trust_onset=p.trust_onset, horizon=p.horizon)
 
 
 def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *, on_token=None,

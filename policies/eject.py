@@ -12,7 +12,7 @@ back to the resident-page pool; a *re-enable* pins them again. Families (DESIGN.
 - ``Auto``: no threshold; compares the goodput (tokens/s) measured online in each state and
   probes the other state when its measurement is missing or stale, unless what is left of the
   decode is too short to pay for the transitions (their costs as measured in this decode).
-  Near the onset it measures plain decoding in place (``MEASURE_PLAIN``), with no transition.
+  Below the onset it measures plain decoding in place (``MEASURE_PLAIN``), with no transition.
 
 Policies never read config; the entry point builds them (``build``).
 """
@@ -29,7 +29,7 @@ class Action(Enum):
     REENABLE = "reenable"
     # a few plain steps with the draft still pinned: where neither state streams (at or below
     # the onset) they run as an ejected draft's would, so they measure that state's goodput
-    # without the cost of an eject and a re-enable; a few pages above it, nearly so
+    # without the cost of an eject and a re-enable
     MEASURE_PLAIN = "measure_plain"
 
 
@@ -57,8 +57,7 @@ class Snapshot:
     reenable_s: float | None = None
     # MEASURE_PLAIN can be carried out now: the draft is pinned and is the only speculator (with
     # others, the ejected state still speculates), no transition is being charged, its plain steps
-    # all fit at or below the onset or, above it, in the current page (the streamed pages stay
-    # as they are), and enough of the decode is left to use what they measure
+    # all fit at or below the onset, and enough of the decode is left to use what they measure
     plain_in_place: bool = False
 
 
@@ -152,18 +151,13 @@ class Auto:
     has moved ``probe_pages`` pages (or the current goodput has fallen ``margin`` below it); a
     context that stands still sees one probe at most.
 
-    From the last page before the onset to ``in_place_pages`` pages above it (anywhere below
-    that without ``trust_onset``), with no fresh measurement of plain decoding, it asks for
-    ``MEASURE_PLAIN``: plain steps with the draft still pinned. Nothing streams below the onset
-    in either state, so they run as an ejected draft's would. Above it they also stream the
-    pages the pinned draft displaces (with ``cache.residency_step`` k, k at a time), so they
-    read plain decoding slower than an ejected draft runs it: in
-    results/draft_threshold_h200_final2 a verify step took 2.70 ms with nothing streamed, 2.75
-    with 3 pages and 2.83-3.11 with 6-9, so the bias may pass ``margin``, and it favours
-    keeping. Hence 0 by default: an experiment to run on the GPU. That measurement stays fresh
-    for ``probe_pages`` pages, and the comparison needs no probe. An eject and a re-enable cost
-    ~0.2-0.3 s on the H200 study (5% of a 4096-token decode at 10240 tokens, where the decode
-    starts 4 pages above the onset); the plain steps cost only the tokens they do not draft.
+    In the last page before the onset (anywhere below it without ``trust_onset``), with no fresh
+    measurement of plain decoding, it asks for
+    ``MEASURE_PLAIN``: plain steps with the draft still pinned. Nothing streams there in either
+    state, so they run as an ejected draft's would. When the context then crosses the onset,
+    that measurement stays fresh for ``probe_pages`` pages, and the comparison needs no probe. An eject and a
+    re-enable cost ~0.3 s on the H200 study; the plain steps cost only the tokens they do not
+    draft.
 
     With ``horizon``, a transition must be able to pay for itself within the decode: the time
     left (``tokens_left`` at the current goodput) is compared with the measured transition
@@ -179,7 +173,6 @@ class Auto:
     margin: float = 0.03
     trust_onset: bool = True
     horizon: bool = True
-    in_place_pages: int = 0  # pages per layer above the onset where plain is still measured in place
 
     def _fresh(self, snap: Snapshot, pages: int | None) -> bool:
         return pages is not None and abs(snap.pages_per_layer - pages) <= self.probe_pages
@@ -196,9 +189,9 @@ class Auto:
 
     def decide(self, snap: Snapshot) -> Action:
         below = snap.pages_per_layer <= snap.capacity_with_draft
-        above = snap.pages_per_layer - snap.capacity_with_draft  # what the pinned draft streams
-        if snap.plain_in_place and above <= self.in_place_pages and (above >= 0 or not self.trust_onset) \
-                and snap.decodes_since_transition >= self.settle and not self._fresh(snap, snap.goodput_without_pages):
+        if below and snap.plain_in_place and snap.decodes_since_transition >= self.settle \
+                and not self._fresh(snap, snap.goodput_without_pages) \
+                and (not self.trust_onset or snap.pages_per_layer == snap.capacity_with_draft):
             return Action.MEASURE_PLAIN
         if self.trust_onset and below:
             return _toward(snap, True)
@@ -220,13 +213,12 @@ class Auto:
 
 def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_decodes: int = 4,
           probe_pages: int = 16, settle: int = 8, margin: float = 0.03, trust_onset: bool = True,
-          horizon: bool = True, in_place_pages: int = 0):
+          horizon: bool = True):
     """An eject policy by config name, wrapped in the default hysteresis (margin pages below
     the threshold to re-enable, ``stable_decodes`` batches between transitions; 0 turns each
     off). Names: onset, keep_pages, never, always, auto.
 
-    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset``, ``horizon`` and
-    ``in_place_pages`` and
+    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset`` and ``horizon`` and
     gets no ``ReenablePages`` (it has no threshold; freshness and ``margin`` are its
     hysteresis). ``StableDecodes`` wraps it as it wraps the others, so no transition comes
     sooner than ``stable_decodes`` batches after the last one; with ``settle >=
@@ -234,15 +226,14 @@ def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_de
     the transitions above it.
     """
     base = {"onset": Onset(), "keep_pages": KeepPages(keep_pages), "never": Never(), "always": Always(),
-            "auto": Auto(probe_pages, settle, margin, trust_onset, horizon, in_place_pages)}
+            "auto": Auto(probe_pages, settle, margin, trust_onset, horizon)}
     if name not in base:
         raise ValueError(f"policy.eject={name!r}; choose one of {', '.join(base)}")
     if name == "keep_pages" and keep_pages < 1:
         raise ValueError(f"policy.keep_pages must be >= 1 pages per layer for keep_pages, got {keep_pages}")
-    if name == "auto" and (probe_pages < 1 or settle < 1 or margin < 0 or in_place_pages < 0):
-        raise ValueError(f"policy.eject=auto needs probe_pages >= 1, settle >= 1, margin >= 0 and in_place_pages "
-                         f">= 0, got probe_pages={probe_pages}, settle={settle}, margin={margin}, "
-                         f"in_place_pages={in_place_pages}")
+    if name == "auto" and (probe_pages < 1 or settle < 1 or margin < 0):
+        raise ValueError(f"policy.eject=auto needs probe_pages >= 1, settle >= 1 and margin >= 0, got "
+                         f"probe_pages={probe_pages}, settle={settle}, margin={margin}")
     policy = base[name]
     if reenable_margin and isinstance(policy, KeepPages):
         policy = ReenablePages(policy, reenable_margin)

@@ -332,18 +332,6 @@ def test_a_plain_measurement_fits_below_the_onset_and_measures_only_its_own_batc
     assert list(control.meter[True]) == kept + [(3, 0.008)]
 
 
-def test_a_plain_measurement_above_the_onset_stays_inside_its_page(model, host):
-    """Above the onset the plain steps stream the pages the pinned draft displaces: they may run
-    there only inside the current page (a page opening would change the streamed pages and
-    re-capture the step), the step queued after the last included."""
-    cache = target_cache(model, arena_mib(model, host, 3))
-    control = DraftControl(new_draft(host), cache, MeasurePlainAt(at=1))
-    n, end = PLAIN_CHARGED + GOODPUT_MIN, (control.capacity_with + 2) * PAGE_TOKENS  # 2 pages above the onset
-    assert control.snapshot(end - PAGE_TOKENS + 1, tokens_left=100).plain_in_place  # the page's first token
-    assert control.snapshot(end - n - 1, tokens_left=100).plain_in_place
-    assert not control.snapshot(end - n, tokens_left=100).plain_in_place
-
-
 def test_plain_measurements_are_not_offered_beside_another_speculator(model, host):
     """With an n-gram speculator in the chain the ejected state still speculates: plain steps
     would not measure it. A policy that asks anyway is a bug, reported as such."""

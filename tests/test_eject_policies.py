@@ -100,24 +100,13 @@ def auto_snap(pages, active, since=100, with_=None, without=None, **horizon):
     (auto_snap(CAP_WITH - 1, True, plain_in_place=True), Action.STAY),
     (auto_snap(CAP_WITH, True, plain_in_place=True, without=(9.0, CAP_WITH - 16)), Action.STAY),
     (auto_snap(CAP_WITH, True), Action.STAY),
-    # not within `settle` batches of a transition
+    # not within `settle` batches of a transition; never above the onset (plain steps there would stream
+    # with the draft's smaller pool: they are not the ejected state)
     (auto_snap(CAP_WITH, True, since=7, plain_in_place=True), Action.STAY),
-    # up to in_place_pages (here 8) above the onset too: the plain steps stream only the pages the pinned
-    # draft displaces (nearly the ejected state's steps); farther above, or when the steps cannot be
-    # made in place (another speculator, or a page would open among them), a probe
-    (auto_snap(CAP_WITH + 1, True, since=8, with_=(50.0, CAP_WITH + 1), plain_in_place=True), Action.MEASURE_PLAIN),
-    (auto_snap(CAP_WITH + 8, True, since=8, with_=(50.0, CAP_WITH + 8), plain_in_place=True), Action.MEASURE_PLAIN),
-    (auto_snap(CAP_WITH + 9, True, since=8, with_=(50.0, CAP_WITH + 9), plain_in_place=True), Action.EJECT),
-    (auto_snap(CAP_WITH + 1, True, since=8, with_=(50.0, CAP_WITH + 1)), Action.EJECT),
-    # fresh: compared, no measurement
-    (auto_snap(CAP_WITH + 4, True, with_=(50.0, CAP_WITH + 4), without=(45.0, CAP_WITH + 4), plain_in_place=True),
-     Action.STAY),
+    (auto_snap(CAP_WITH + 1, True, since=8, with_=(50.0, CAP_WITH + 1), plain_in_place=True), Action.EJECT),
 ])
-def test_auto_measures_plain_decoding_in_place_near_the_onset(snap, expected):
-    assert Auto(in_place_pages=8).decide(snap) is expected
-    # by default (0) only in the onset's page
-    assert Auto().decide(snap) is (
-        Action.EJECT if snap.pages_per_layer > CAP_WITH and snap.goodput_without is None else expected)
+def test_auto_measures_plain_decoding_in_place_below_the_onset(snap, expected):
+    assert Auto().decide(snap) is expected
 
 
 def test_auto_without_trusting_the_onset_measures_in_place_anywhere_below_it():
@@ -197,7 +186,6 @@ KEEP_TOKENS = 3                 # tokens per verify round with the draft (accept
 REENABLE_S, EJECT_S = 0.05, 0.01  # re-pinning the draft (weights, its KV catching up) / unpinning
 WARMUP, WARMUP_SLOW = 2, 1.5    # the first batches of a stint run slower (what `settle` waits out)
 WINDOW = 4                      # goodput here (a model, not the engine's): tokens / seconds, last batches
-IN_PLACE_SLOW = 0.0025          # plain steps in place above the onset: slower per page the pinned draft streams
 
 
 @dataclass
@@ -227,8 +215,7 @@ def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, n
     With ``budget`` the decode ends after that many tokens, and the snapshots say how many are
     left and what a transition cost once one was made (its seconds, warm-up batches aside).
     ``in_place``: the draft may measure plain decoding in place (the engine runs PLAIN_BATCHES
-    plain batches, the draft pinned; at or below the onset they run at the ejected rate, above it
-    IN_PLACE_SLOW slower per page the pinned draft streams)."""
+    plain batches, the draft pinned; at or below the onset they run at the ejected rate)."""
     rng = random.Random(seed)
     generated, seconds, active, since = 0, 0.0, True, 0
     measured = {True: (None, None), False: (None, None)}  # state -> (goodput, pages when measured)
@@ -242,11 +229,10 @@ def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, n
         action = policy.decide(Snapshot(pages, CAP_WITH, CAP_WITHOUT, active, since, *measured[True], *measured[False],
                                         **horizon, plain_in_place=in_place and active))
         if action is Action.MEASURE_PLAIN:
-            assert active and pages <= CAP_WITH + 8, f"a plain measurement at {pages} pages"
+            assert active and pages <= CAP_WITH, f"a plain measurement at {pages} pages, draft_active={active}"
             plain = []
             for _ in range(PLAIN_BATCHES):
                 dt = 1 / eject_goodput(start + generated // page_tokens) * rng.uniform(1 - noise, 1 + noise)
-                dt *= 1 + IN_PLACE_SLOW * max(0, pages - CAP_WITH)
                 generated, seconds, since = generated + 1, seconds + dt, since + 1
                 plain.append(dt)
                 batches.append((start + generated // page_tokens, active))
@@ -340,32 +326,13 @@ def test_auto_measuring_in_place_skips_the_probe_at_the_onset():
         assert (early(off), early(on)) == (1, 0)
 
 
-def test_auto_measuring_in_place_a_few_pages_above_the_onset_skips_the_first_probe():
-    """With in_place_pages 8, a decode that starts 4 pages above the onset (as 10240 tokens did on
-    the H200: a probe of ~0.2 s there cost ~5% of the decode): plain decoding is measured in place, slightly slow (the
-    pinned draft's 4 streamed pages), keeping wins by far more than that, and no eject comes
-    before the measurement goes stale, 16 pages later. 7 pages above, the same; 9: a probe."""
-    for seed in range(5):
-        for above, probes in ((4, 0), (7, 0), (9, 1)):  # the context grows a page or two during `settle`
-            start = CAP_WITH + above
-            off, on = (simulate(build("auto", in_place_pages=8), seed=seed, start=start, end=start + 16, in_place=p)
-                       for p in (False, True))
-            ejects = lambda run: sum(a is Action.EJECT for _, a in run.transitions)  # noqa: E731
-            assert (ejects(off), ejects(on)) == (1, probes), (seed, above)
-            if not probes:
-                measured = [p for p, a in on.transitions if a is Action.MEASURE_PLAIN]
-                assert len(measured) == 1 and start <= measured[0] <= start + 2  # after `settle` batches
-                assert on.tokens_per_s > off.tokens_per_s
-
-
 def test_build_auto():
     p = build("auto")
     assert isinstance(p, StableDecodes) and p.n == 4 and p.inner == Auto(probe_pages=16, settle=8, margin=0.03)
     assert build("auto", stable_decodes=0, probe_pages=8, settle=4, margin=0.1) == Auto(8, 4, 0.1)
     assert build("auto", horizon=False).inner.horizon is False and p.inner.horizon is True
-    assert build("auto", in_place_pages=8).inner.in_place_pages == 8 and p.inner.in_place_pages == 0
-    for bad in ({"probe_pages": 0}, {"settle": 0}, {"margin": -0.1}, {"in_place_pages": -1}):
-        with pytest.raises(ValueError, match="auto needs probe_pages >= 1, settle >= 1, margin >= 0 and in_place_pages >= 0"):
+    for bad in ({"probe_pages": 0}, {"settle": 0}, {"margin": -0.1}):
+        with pytest.raises(ValueError, match="auto needs probe_pages >= 1, settle >= 1 and margin >= 0"):
             build("auto", **bad)
 
 
