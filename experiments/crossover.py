@@ -44,13 +44,14 @@ def is_fixed(arm: str) -> bool:
 
 
 def read_study(study: Path) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """runs.csv (required) and steps.csv (None when absent: no prediction then)."""
+    """runs.csv (required) and steps.csv, or else the per-cell ``steps/<run_id>.csv`` that
+    experiments/draft_threshold.py writes (None when neither: no prediction then)."""
     study = Path(study)
     if not (study / "runs.csv").is_file():
         raise FileNotFoundError(f"no runs.csv in {study}: pass the folder experiments/draft_threshold.py wrote")
     runs = pd.read_csv(study / "runs.csv", dtype={"run_id": str, "arm": str})
-    steps_path = study / "steps.csv"
-    steps = pd.read_csv(steps_path, dtype={"run_id": str}) if steps_path.is_file() else None
+    files = [study / "steps.csv"] if (study / "steps.csv").is_file() else sorted((study / "steps").glob("*.csv"))
+    steps = pd.concat([pd.read_csv(f, dtype={"run_id": str}) for f in files], ignore_index=True) if files else None
     return runs, steps
 
 

@@ -21,7 +21,7 @@ import pytest
 from experiments.cost_model import (CostModel, acceptance_per_token, after_transition, eject_cost, eject_seconds,
                                     fit_cost_model, page_cost, page_costs, round_pages)
 from experiments.crossover import (PAGE, analyze, best_threshold, capacity_curve, crossover, decode_table,
-                                   eject_threshold, main, predicted_crossover)
+                                   eject_threshold, main, predicted_crossover, read_study)
 from experiments.plot_draft_thresholds import plot, title
 
 CAP_WITH, CAP_WITHOUT = 10, 40  # pages/layer that fit with / without the draft
@@ -387,6 +387,22 @@ def test_cli_writes_tables_and_json(tmp_path, capsys):
     assert len(pd.read_csv(study / "decode_table.csv")) == 5 * len(PAGES)
     assert len(pd.read_csv(study / "best_threshold.csv")) == len(PAGES)
     assert "measured:" in capsys.readouterr().out
+
+
+def test_a_study_without_steps_csv_reads_its_per_cell_files(tmp_path):
+    """A study may keep only the per-cell steps/<run_id>.csv the sweep writes (a large study's
+    one steps.csv would be a big file): read_study gathers them."""
+    steps = make_steps()
+    write_study(tmp_path, make_runs())
+    (tmp_path / "steps").mkdir()
+    for run_id, cell in steps.groupby("run_id"):
+        cell.to_csv(tmp_path / "steps" / f"{run_id}.csv", index=False)
+    _, got = read_study(tmp_path)
+    steps.to_csv(tmp_path / "steps.csv", index=False)  # the same steps, as one file
+    _, one = read_study(tmp_path)
+    order = lambda df: df.sort_values(["run_id", "step"]).reset_index(drop=True)  # noqa: E731
+    assert len(got) == len(steps) and got["run_id"].nunique() == steps["run_id"].nunique() > 1
+    pd.testing.assert_frame_equal(order(got), order(one))
 
 
 def test_without_steps_the_prediction_says_why():
