@@ -165,9 +165,7 @@ def bench_decode(pair, L, n_qs, gen, ceil, sdpa_us, rows, baselines=True):
                                                    out=outs[i]))
         t_graph = time_graph([call(i) for i in range(sets)])
         t_eager = time_eager(call(0))
-        block_m = max(16, triton.next_power_of_2(n_q * N_HEADS // N_KV_HEADS))
-        splits = da.num_splits(N_KV_HEADS, triton.cdiv(L, da.LAUNCH[block_m][0]) + 1, DEV,
-                               da.LAUNCH[block_m][3])
+        splits = da.splits_for(n_q, N_HEADS, N_KV_HEADS, L, DEV)
         extra = 2 * n_q * N_HEADS * HEAD_DIM * 2 + 4 * pages
         if splits > 1:
             extra += 2 * splits * n_q * N_HEADS * (HEAD_DIM + 2) * 4  # partials written + read
@@ -253,7 +251,7 @@ def sweep(gen, ceil, rows):
                 (64, 1, 2, 16, True), (32, 1, 2, 16, True), (128, 4, 2, 2, True), (64, 4, 2, 4, True),
                 (64, 4, 2, 8, True)]
     for pair, n_q in itertools.product([("q8_0", "q4_0"), ("f16", "f16")], [1, 6]):
-        block_m = max(16, triton.next_power_of_2(n_q * N_HEADS // N_KV_HEADS))
+        block_m = da.block_rows(n_q, N_HEADS // N_KV_HEADS)
         default = da.LAUNCH[block_m]
         for bn, nw, ns, pps, asm in variants:
             da.LAUNCH[block_m] = (bn, nw, ns, pps)

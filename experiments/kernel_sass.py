@@ -42,7 +42,7 @@ def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
     """The decode kernel as ``decode_attention`` launches it for these shapes (its LAUNCH row)."""
     kf, vf = PageFormat(pair[0], n_kv_heads, head_dim), PageFormat(pair[1], n_kv_heads, head_dim)
     gqa = n_heads // n_kv_heads
-    block_m = max(16, triton.next_power_of_2(n_q * gqa))
+    block_m = da.block_rows(n_q, gqa)
     block_n, num_warps, num_stages, _ = da.LAUNCH[block_m]
     const = dict(N_Q=n_q, GQA=gqa, N_HEADS=n_heads, HEAD_DIM=head_dim, K_FMT=kf.kv_type.code,
                  K_PAGE_BYTES=kf.page_bytes, K_SCALE_OFF=kf.scale_offset, V_FMT=vf.kv_type.code,

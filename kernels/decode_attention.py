@@ -227,9 +227,14 @@ def num_splits(n_kv_heads: int, max_tiles: int, device: torch.device,
     return max(1, min(max_tiles, triton.cdiv(programs_per_sm * _n_sm(device), n_kv_heads)))
 
 
+def block_rows(n_q: int, gqa: int) -> int:
+    """BLOCK_M: a KV head's query rows (n_q x its query heads), padded for tl.dot; LAUNCH's key."""
+    return max(16, triton.next_power_of_2(n_q * gqa))
+
+
 def splits_for(n_q: int, n_heads: int, n_kv_heads: int, max_keys: int, device: torch.device) -> int:
     """The split count ``decode_attention`` uses for ``max_keys`` keys (its launch table's tile)."""
-    block_n, _, _, programs_per_sm = LAUNCH[max(16, triton.next_power_of_2(n_q * (n_heads // n_kv_heads)))]
+    block_n, _, _, programs_per_sm = LAUNCH[block_rows(n_q, n_heads // n_kv_heads)]
     return num_splits(n_kv_heads, triton.cdiv(max_keys, block_n) + 1, device, programs_per_sm)
 
 
@@ -237,7 +242,7 @@ def max_splits(n_q: int, n_heads: int, n_kv_heads: int, n_pages: int, calls: int
     """The most splits ``calls`` calls over contiguous page ranges of ``n_pages`` pages in all
     can take, each with ``splits_for`` its range: per call at most its tiles + 1 and at most the
     count that fills the GPU. A buffer of these rows holds every such plan's partials."""
-    block_n, _, _, programs_per_sm = LAUNCH[max(16, triton.next_power_of_2(n_q * (n_heads // n_kv_heads)))]
+    block_n, _, _, programs_per_sm = LAUNCH[block_rows(n_q, n_heads // n_kv_heads)]
     fill = num_splits(n_kv_heads, 1 << 30, device, programs_per_sm)
     return max(1, min(calls * fill, n_pages * triton.cdiv(PAGE_TOKENS, block_n) + calls))
 
@@ -274,7 +279,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if not 1 <= n_q <= MAX_N_Q:
         raise ValueError(f"n_q must be in [1, {MAX_N_Q}], got {n_q}")
     gqa = n_heads // h
-    block_m = max(16, triton.next_power_of_2(n_q * gqa))
+    block_m = block_rows(n_q, gqa)
     if block_m not in LAUNCH:
         raise ValueError(f"n_q * n_heads / n_kv_heads must be <= {max(LAUNCH)}, got {n_q * gqa}")
     check_pool(k_pool, k_fmt, "k_pool")
