@@ -297,14 +297,15 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
         if by.ngroups > 1:
             per = dict(round_contexts=tuple(map(float, by.groups)), round_drafted=tuple(by["drafted"].mean()),
                        round_draft_s=tuple(by["draft_s"].mean()), round_tokens=tuple(1 + by["accepted"].mean()))
+    half = round_pages(runs)  # a fixed ring: the page cost per streaming-round count too
+    per_rounds = dict(ring_round_pages=half, **page_costs(steps, paying)) if half else {}
     return CostModel(*map(float, coef), acceptance=acceptance_per_token(rounds[rounds["drafted"] > 0]),
                      drafted_per_round=float(rounds["drafted"].mean()),
                      draft_s_per_round=float(rounds["draft_s"].mean()),
                      tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
                      rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
                      eject_s=eject_cost(steps) + (0.0 if runs is None else eject_seconds(runs)),
-                     e=copy_line[0], f=copy_line[1], page_s=page_cost(steps, paying), **per,
-                     **(dict(ring_round_pages=half, **page_costs(steps, paying)) if (half := round_pages(runs)) else {}))
+                     e=copy_line[0], f=copy_line[1], page_s=page_cost(steps, paying), **per, **per_rounds)
 
 
 def round_pages(runs: pd.DataFrame | None) -> int | None:
