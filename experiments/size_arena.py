@@ -20,14 +20,14 @@ from kvstream.arena import MIB
 from kvstream.cache_factory import make_cache
 from kvstream.config import quote_free_text, to_typed
 from kvstream.draft_control import DraftControl
-from kvstream.runner import DRAFT_HOSTS
+from kvstream.runner import DRAFT_HOSTS, cache_tokens
 from kvstream.speculators.draft import DraftModel
 from policies.eject import Never
 
 
 def capacity_with_draft(cfg: StudyConfig, mib: float) -> tuple[int, object]:
     model, tok, _ = _load(cfg)
-    d, max_tokens = cfg.spec.draft, cfg.context + cfg.max_new_tokens
+    d, max_tokens = cfg.spec.draft, cache_tokens(cfg.context, cfg.max_new_tokens, cfg.spec)
     host = DRAFT_HOSTS.get_host(d.source, tok, model.dtype, model.device)
     cache = make_cache(cfg.cache, replace(cfg.arena, mib=str(mib)), model, max_tokens, cfg.prefill_chunk,
                        verify_width=1 + cfg.spec.n_max)

@@ -120,13 +120,17 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     bar = tqdm(total=max_new_tokens, initial=1, desc="decode", unit="tok", disable=not progress, leave=False)
     while out[-1] not in stop and len(out) < max_new_tokens:
         ts = time.perf_counter()
-        budget = min(n_round, max_new_tokens - len(out) - 1)  # room for the kept drafts + one more
         measuring = control is not None and control.plain  # the ejected state's rate, measured in place
         plain = chain.idle or measuring
         if queued is not None and not plain:  # drafting again since it was queued: not a plain round
             cache.truncate(queued[0])
             queued = None
-        draft = chain.propose(prompt + out, budget) if budget > 0 and not plain else []
+        # the last round is not cut to the tokens left, only to the cache's room: at the usual width
+        # it replays a captured graph, where a narrower one captures a new graph (50-70 ms on the H200
+        # after a re-layout, results/draft_threshold_h200_final3/README.md); what runs past the end
+        # is dropped below (kvstream.runner sizes the cache n_max tokens past the end for it)
+        n = min(n_round, getattr(cache, "max_tokens", cache.length + 1 + n_round) - cache.length - 1)
+        draft = chain.propose(prompt + out, n) if n > 0 and not plain else []
         draft_s = time.perf_counter() - ts
         if queued is not None:  # this round's step is already on the device
             (start, logits, stats), queued = queued, None
@@ -142,6 +146,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         else:
             kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
         kept = kept[:next((i + 1 for i, t in enumerate(kept) if t in stop), len(kept))]  # nothing after a stop
+        kept = kept[:max_new_tokens - len(out)]  # the chain then rolls back what ran past the end
         if queued is None:  # (a step queued after a stop token is rolled back after the loop)
             cache.truncate(start + len(kept))  # the last sampled token and the accepted drafts stay
         winner = chain.last_winner.name if chain.last_winner is not None else ""

@@ -87,6 +87,20 @@ def test_greedy_speculation_equals_plain_decoding(model, cache_kind, speculator)
         assert all(r.streamed_pages == 1 for r in got.records)  # verify batches read streamed pages
 
 
+def test_last_round_verifies_at_the_usual_width(model):
+    """The decode's last round drafts as many tokens as the others (on CUDA: the width whose graph
+    is captured, not a narrower one to capture) and drops what runs past max_new_tokens."""
+    plain = generate(model, model.new_cache(1024), PROMPT, 40, Sampler(GREEDY), prefill_chunk=32)
+    spec = Oracle(plain.tokens, len(PROMPT), wrong=1000)  # never wrong: every round keeps 4 + 1
+    got = speculative_generate(model, model.new_cache(1024), PROMPT, 23, Sampler(GREEDY), Chain([spec]),
+                               n_max=4, prefill_chunk=32)
+    assert got.tokens == plain.tokens[:23]
+    # 1 + 4 rounds of 5 = 21 tokens, then a round of width 5 that keeps the 2 still wanted
+    assert [r.verify_width for r in got.records] == [5] * 5
+    assert [r.new_tokens for r in got.records] == [5, 5, 5, 5, 2]
+    assert spec.stats.accepted_tokens == 17  # what was kept: the chain's state matches the output
+
+
 def test_rejection_sampling_is_lossless():
     """Rows with fixed distributions p0, p1, p2 and the draft [d0, d1]: the first kept token
     must follow p0, and the second, given the first was d0, p1. Chi-square with 5 degrees of
