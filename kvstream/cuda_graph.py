@@ -7,7 +7,9 @@ first streamed round, which a step otherwise finds made by the step before) and 
 everything between, streaming copies included, is the graph. A plan that streams pages gets
 new graphs when its streamed pages change (every page, or every ``cache.residency_step``
 pages), in one round or several; a resident plan keeps them (the page table is read in place);
-a re-layout (phase switch, draft eject / re-enable) drops them.
+a re-layout (phase switch, draft eject / re-enable) drops them. A pinned draft's own graphs
+survive its eject and re-enable, which put its weights and KV back at the same addresses
+(``DraftModel.pin``, ``PagedCache.move_to``).
 
 Eager and graphed steps run the same kernels on the same bytes in the same order, so their
 logits are bit-identical: tested on the H200 (tests/test_cuda.py) up to 1K tokens, after a

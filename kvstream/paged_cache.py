@@ -219,10 +219,19 @@ class PagedCache(CacheBase):
         self.copier.wait()
 
     def move_to(self, arena: Arena) -> None:
-        """Live in another arena from now on (a draft's KV re-pinned at a new place); the pages
-        come back from the host store, which holds every committed row."""
+        """Live in ``arena`` from now on (a draft's KV re-pinned); the pages come back from the
+        host store, which holds every committed row. The same bytes as before (a re-enable pins
+        the draft KV where it was) keep the layout and its tensors: the captured steps stay valid."""
         if arena.device != self.device:
             raise ValueError(f"cannot move a cache on {self.device} to an arena on {arena.device}")
+        if (arena.buf.data_ptr(), arena.nbytes) == (self.arena.buf.data_ptr(), self.arena.nbytes):
+            self.copier.wait()  # the host copies of the pages were written on the copy stream
+            for p in self.slot:
+                if p * PAGE_TOKENS < self.length:  # holds committed rows
+                    for host, rows in self._page_rows(p):
+                        self.copier.upload(rows, host)
+                    self.stats.h2d_bytes += self.n_layers * self.layout.pair
+            return
         self.arena = arena
         self.relayout(self.slabs[self.phase])
 

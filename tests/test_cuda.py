@@ -242,6 +242,44 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     assert runs[0] == runs[1]
 
 
+def test_a_reenabled_draft_replays_its_graphs(tmp_path):
+    """An eject and a re-enable pin the draft at the same addresses: its captured steps replay (no
+    new capture) and draft what they drafted before, though the target's pages took those bytes."""
+    import test_draft as t
+    from kvstream.arena import MIB, Arena
+    from kvstream.cache_factory import make_cache
+    from kvstream.config import ArenaConfig, CacheConfig
+    from kvstream.cuda_graph import GraphedModel
+    from kvstream.draft_control import DraftControl
+    from kvstream.speculative import speculative_generate
+    from kvstream.speculators.base import Chain
+    from kvstream.speculators.draft import DraftModel, load_host
+    from kvstream.tokenizer import Tokenizer
+    from policies.eject import Never
+
+    target_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
+    m = load_model(target_file, torch.float32, "cuda")
+    host = load_host(target_file, Tokenizer.from_gguf(target_file).token_texts, torch.float32, "cuda")
+    nbytes = DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK).pin(Arena(256 * MIB, "cuda"))
+    c = make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(), m, 1024, t.CHUNK, 9,
+                   pinned_bytes=nbytes + MIB)
+    draft = DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK, graphs=True)
+    control = DraftControl(draft, c, Never())
+    g = speculative_generate(GraphedModel(m), c, t.PROMPT, t.NEW, Sampler(SamplingParams(), "cuda"), Chain([draft]),
+                             n_max=8, prefill_chunk=t.CHUNK, control=control)
+    history = t.PROMPT + g.tokens
+    for _ in range(2):  # the second call replays what the first captured
+        before = draft.propose(history, 4)
+        draft.accepted(len(before), 0)
+    captures, graphed = draft.model.captures, draft.model
+    c.rearrange(lambda: draft.eject(c.arena))
+    c.kspace.fill_(7)  # the target's pool holds the draft's bytes now: overwrite them all
+    c.vspace.fill_(7)
+    c.rearrange(lambda: draft.pin(c.arena))
+    assert draft.propose(history, 4) == before
+    assert draft.model is graphed and graphed.captures == captures
+
+
 def host_matches_device(cache, tail: bool = False) -> int:
     """Committed pages whose host copy differs from the device copy (any layer, K or V); with
     ``tail`` the partial last page too (whole: valid once nothing wrote it after its commit)."""

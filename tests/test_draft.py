@@ -122,6 +122,22 @@ def plain(model):
     return generate(model, cache, PROMPT, NEW, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
 
 
+def test_a_reenable_reloads_the_draft_kv_where_it_was(model, host):
+    """An eject and a re-enable pin the draft KV at the same bytes: its cache keeps its layout and
+    tensors (on CUDA its captured steps stay valid) and gets its pages back from the host store,
+    though the target's pages took those bytes meanwhile."""
+    g, draft, _, cache = run_with_draft(model, host, Never())
+    history, key = PROMPT + g.tokens, draft.cache.plan_key()
+    before = draft.propose(history, 4)
+    draft.accepted(len(before), 0)
+    cache.rearrange(lambda: draft.eject(cache.arena))
+    cache.kspace.fill_(7)  # the target's pool holds the draft's bytes now: overwrite them all
+    cache.vspace.fill_(7)
+    cache.rearrange(lambda: draft.pin(cache.arena))
+    assert draft.cache.plan_key() == key
+    assert draft.propose(history, 4) == before
+
+
 @pytest.mark.parametrize("window, run_ahead", [(0, False), (128, False), (128, True)])
 def test_greedy_with_a_pinned_draft_equals_plain_decoding(model, host, plain, window, run_ahead):
     g, draft, control, _ = run_with_draft(model, host, Never(), window=window, run_ahead=run_ahead)
