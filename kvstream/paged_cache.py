@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from kernels.decode_attention import MAX_N_Q
-from kernels.formats import PAGE_TOKENS, PageFormat, kv_type
+from kernels.formats import PAGE_TOKENS, PageFormat
 from kernels.reference import Partials
 from policies.residency import NewestResident
 
@@ -136,9 +136,7 @@ class PagedCache(CacheBase):
         if mode == "stream" and ring_pages is not None and ring_pages < 2:
             raise ValueError(f"cache.ring_pages={ring_pages}: streaming needs >= 2 ring slots (two halves)")
         self.k_fmt = PageFormat(type_k, n_kv_heads, head_dim)
-        # quantized V pages token-minor: attention's P @ V then reads them with wide shared-memory
-        # loads instead of byte gathers (kernels/formats.py, kernels/NOTES.md)
-        self.v_fmt = PageFormat(type_v, n_kv_heads, head_dim, token_minor=kv_type(type_v).scale_bytes > 0)
+        self.v_fmt = PageFormat(type_v, n_kv_heads, head_dim)
         self.n_layers, self.mode, self.arena, self.residency = n_layers, mode, arena, residency
         self.max_tokens = max_tokens
         self.max_pages = -(-max_tokens // PAGE_TOKENS)
