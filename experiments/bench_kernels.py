@@ -41,8 +41,6 @@ PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0")]
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 ROTATE_BYTES = 512 * 2**20  # working set per graph, several times the L2
 MAX_SETS = 256
-GATHER_LAYOUTS = {"major": [("f16", False), ("q8_0", False), ("q4_0", False)],
-                  "minor": [("f16", False), ("q8_0", False), ("q4_0", False), ("q8_0", True), ("q4_0", True)]}
 
 
 def parse_args(argv=None):
@@ -51,9 +49,6 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny run; on CPU under TRITON_INTERPRET=1")
     p.add_argument("--sweep", action="store_true", help="time launch-table variants at 64K")
     p.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
-    p.add_argument("--v-layout", choices=["minor", "major"], default="minor",
-                   help="quantized V pages token-minor (as the paged cache lays them out) or token-major; "
-                        "gather is timed on both layouts with minor")
     return p.parse_args(argv)
 
 
@@ -155,9 +150,8 @@ def ceilings() -> dict:
     return dict(copy_gbps=2 * n / t_copy / 1e3, read_gbps=n / t_read / 1e3)
 
 
-def bench_decode(pair, L, n_qs, gen, ceil, sdpa_us, rows, baselines=True, v_minor=True):
-    kf = PageFormat(pair[0], N_KV_HEADS, HEAD_DIM)
-    vf = PageFormat(pair[1], N_KV_HEADS, HEAD_DIM, v_minor and pair[1] != "f16")
+def bench_decode(pair, L, n_qs, gen, ceil, sdpa_us, rows, baselines=True):
+    kf, vf = PageFormat(pair[0], N_KV_HEADS, HEAD_DIM), PageFormat(pair[1], N_KV_HEADS, HEAD_DIM)
     pages = -(-L // PAGE_TOKENS)
     sets = n_sets(kv_bytes(L, kf, vf))
     kp, vp = random_pool(kf, sets * pages, gen), random_pool(vf, sets * pages, gen)
@@ -192,7 +186,7 @@ def bench_decode(pair, L, n_qs, gen, ceil, sdpa_us, rows, baselines=True, v_mino
         gbps = nbytes / t_graph / 1e3
         base = sdpa_us.get((L, n_q), float("nan"))
         rows.append(dict(
-            k_type=pair[0], v_type=pair[1], v_token_minor=vf.token_minor, context=L, n_q=n_q, n_splits=splits, sets=sets,
+            k_type=pair[0], v_type=pair[1], context=L, n_q=n_q, n_splits=splits, sets=sets,
             us_graph=t_graph, us_eager=t_eager, kv_bytes=kv_bytes(L, kf, vf), bytes=nbytes,
             gbps=gbps, frac_copy=gbps / ceil["copy_gbps"], frac_read=gbps / ceil["read_gbps"],
             floor_us=nbytes / ceil["read_gbps"] / 1e3, sdpa_us=base, gather_sdpa_us=t_gs,
@@ -221,8 +215,8 @@ def bench_sdpa(L, n_qs, gen) -> dict:
     return res
 
 
-def bench_gather(t, L, gen, ceil, rows, token_minor=False):
-    fmt = PageFormat(t, N_KV_HEADS, HEAD_DIM, token_minor)
+def bench_gather(t, L, gen, ceil, rows):
+    fmt = PageFormat(t, N_KV_HEADS, HEAD_DIM)
     pages = -(-L // PAGE_TOKENS)
     out_bytes = L * N_KV_HEADS * HEAD_DIM * 2
     sets = n_sets(L * fmt.row_bytes + out_bytes)
@@ -233,7 +227,7 @@ def bench_gather(t, L, gen, ceil, rows, token_minor=False):
     us = time_graph([(lambda i=i: gather(pool, tables[i], L, fmt, out=outs[i])) for i in range(sets)])
     nbytes = L * fmt.row_bytes + out_bytes
     gbps = nbytes / us / 1e3
-    rows.append(dict(type=t, token_minor=token_minor, context=L, sets=sets, us_graph=us, bytes=nbytes, gbps=gbps,
+    rows.append(dict(type=t, context=L, sets=sets, us_graph=us, bytes=nbytes, gbps=gbps,
                      frac_copy=gbps / ceil["copy_gbps"]))
 
 
@@ -264,7 +258,7 @@ def sweep(gen, ceil, rows):
             da.use_asm = (lambda d: d.type == "cuda") if asm else (lambda d: False)
             before = len(rows)
             try:
-                bench_decode(pair, L, [n_q], gen, ceil, {}, rows, baselines=False, v_minor=ARGS.v_layout == "minor")
+                bench_decode(pair, L, [n_q], gen, ceil, {}, rows, baselines=False)
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                 rows.append(dict(k_type=pair[0], v_type=pair[1], context=L, n_q=n_q,
                                  error=f"{type(e).__name__}: {str(e)[:80]}"))
@@ -337,9 +331,9 @@ def plot(dec, gat, path):
     for n_q, ls in [(1, "-"), (6, "--")]:
         s = base[base.n_q == n_q].sort_values("context")
         ax[0, 0].plot(s.context, s.sdpa_us, ls, color="k", label=f"SDPA flash fp16 n_q={n_q}")
-    for (t, minor), g in gat.groupby(["type", "token_minor"]):
+    for t, g in gat.groupby("type"):
         s = g.sort_values("context")
-        ax[1, 1].plot(s.context, s.frac_copy, marker="o", label=f"gather {t}{' token-minor' if minor else ''} -> fp16")
+        ax[1, 1].plot(s.context, s.frac_copy, marker="o", label=f"gather {t} -> fp16")
     titles = ["decode attention time (us, CUDA graph)", "decode: fraction of copy ceiling",
               "n_q=6 time / n_q=1 time", "gather: fraction of copy ceiling"]
     for a, title in zip(ax.flat, titles):
@@ -364,8 +358,7 @@ def summary(dec, gat, ceil):
         print(f"{r.k_type + '/' + r.v_type:11} {r.context:>6} {r.n_q:>3} {r.us_graph:>8.1f} "
               f"{r.us_eager:>8.1f} {100 * r.frac_copy:>5.0f}% {r.speedup_vs_sdpa:>6.2f} {ratio:>5.2f}")
     for _, r in gat[gat.context == gat.context.max()].iterrows():
-        print(f"gather {r['type']:5}{' token-minor' if r.token_minor else ''} ctx {r.context}: {r.us_graph:.1f} us, "
-              f"{100 * r.frac_copy:.0f}% of copy")
+        print(f"gather {r['type']:5} ctx {r.context}: {r.us_graph:.1f} us, {100 * r.frac_copy:.0f}% of copy")
     q = dec[(dec.k_type != "f16") & (dec.context >= 32768)]
     if len(q):
         print(f"goal >=85% of copy ceiling (q8_0/q4_0, >=32K): min {100 * q.frac_copy.min():.0f}%")
@@ -393,12 +386,12 @@ def main(args) -> None:
     for L in contexts:
         base = bench_sdpa(L, n_qs, gen)
         for pair in PAIRS:
-            bench_decode(pair, L, n_qs, gen, ceil, base, dec_rows, v_minor=args.v_layout == "minor")
+            bench_decode(pair, L, n_qs, gen, ceil, base, dec_rows)
             print(f"decode {pair} {L}: " + ", ".join(f"n_q={r['n_q']} {r['us_graph']:.1f} us "
                                                       f"{100 * r['frac_copy']:.0f}%"
                                                       for r in dec_rows[-2:]), flush=True)
-        for t, minor in GATHER_LAYOUTS[args.v_layout]:
-            bench_gather(t, L, gen, ceil, gat_rows, minor)
+        for t in ("f16", "q8_0", "q4_0"):
+            bench_gather(t, L, gen, ceil, gat_rows)
     for t, n in itertools.product(("f16", "q8_0", "q4_0"), (1, 6)):
         bench_store(t, n, gen, st_rows)
     dec = pd.DataFrame(dec_rows).assign(**prov)

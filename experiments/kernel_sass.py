@@ -38,16 +38,15 @@ POINTERS = {"q": "*fp16", "k_pool": "*u8", "v_pool": "*u8", "page_table": "*i32"
 SHARED_OPS = r"\b(LDS|STS|LDSM|STSM|BAR)\S*"
 
 
-def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90, v_token_minor=False):
+def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
     """The decode kernel as ``decode_attention`` launches it for these shapes (its LAUNCH row)."""
-    kf = PageFormat(pair[0], n_kv_heads, head_dim)
-    vf = PageFormat(pair[1], n_kv_heads, head_dim, v_token_minor)
+    kf, vf = PageFormat(pair[0], n_kv_heads, head_dim), PageFormat(pair[1], n_kv_heads, head_dim)
     gqa = n_heads // n_kv_heads
     block_m = da.block_rows(n_q, gqa)
     block_n, num_warps, num_stages, _ = da.LAUNCH[block_m]
     const = dict(N_Q=n_q, GQA=gqa, N_HEADS=n_heads, HEAD_DIM=head_dim, K_FMT=kf.kv_type.code,
                  K_PAGE_BYTES=kf.page_bytes, K_SCALE_OFF=kf.scale_offset, V_FMT=vf.kv_type.code,
-                 V_PAGE_BYTES=vf.page_bytes, V_SCALE_OFF=vf.scale_offset, V_TM=vf.token_minor, BLOCK_M=block_m,
+                 V_PAGE_BYTES=vf.page_bytes, V_SCALE_OFF=vf.scale_offset, BLOCK_M=block_m,
                  BLOCK_N=block_n, HAS_START=False, HAS_END=False, WRITE_OUT=False, ASM=True)
     kern = da._decode_attention_kernel
     sig, consts, attrs = {}, {}, {}
@@ -97,15 +96,15 @@ def opcode(line: str, full: bool = False) -> str:
     return op if full else op.split(".")[0]
 
 
-def report(pair, n_q, out=None, v_token_minor=False) -> dict:
-    c = compile_decode(pair, n_q, v_token_minor=v_token_minor)
+def report(pair, n_q, out=None) -> dict:
+    c = compile_decode(pair, n_q)
     sass, res = disassemble(c)
     body = loop_body(sass)
     mix = collections.Counter(opcode(line) for line in body)
     shared = collections.Counter(opcode(line, full=True) for line in body if re.search(SHARED_OPS, line))
     layouts = sorted(set(re.findall(r"#ttg\.swizzled_shared<\{[^}]*\}>", c.asm["ttgir"])))
     regs = re.search(r"REG:(\d+)", res)
-    row = dict(pair="/".join(pair) + (" (V token-minor)" if v_token_minor else ""), n_q=n_q, registers=int(regs.group(1)) if regs else None,
+    row = dict(pair="/".join(pair), n_q=n_q, registers=int(regs.group(1)) if regs else None,
                shared_bytes=c.metadata.shared, loop_instructions=len(body))
     print(f"{row['pair']} n_q={n_q}: {row['registers']} registers, {row['shared_bytes']} B shared, "
           f"loop body {len(body)} instructions")
@@ -114,7 +113,7 @@ def report(pair, n_q, out=None, v_token_minor=False) -> dict:
     print("  layouts: " + "; ".join(layouts))
     if out:
         os.makedirs(out, exist_ok=True)
-        stem = os.path.join(out, f"decode_{pair[0]}_{pair[1]}{'_vtm' if v_token_minor else ''}_nq{n_q}")
+        stem = os.path.join(out, f"decode_{pair[0]}_{pair[1]}_nq{n_q}")
         for ext, text in (("sass", sass), ("ttgir", c.asm["ttgir"]), ("ptx", c.asm["ptx"])):
             with open(f"{stem}.{ext}", "w") as f:
                 f.write(text)
@@ -125,11 +124,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pair", nargs=2, default=["q8_0", "q4_0"], metavar=("K", "V"), help="K and V page types")
     p.add_argument("--n-q", type=int, nargs="+", default=[1, 6], help="query rows (1 + draft tokens)")
-    p.add_argument("--v-token-minor", action="store_true", help="V pages token-minor (kernels/formats.py)")
     p.add_argument("--out", help="also write each kernel's SASS, TTGIR and PTX here")
     args = p.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90")
-    return [report(tuple(args.pair), n_q, args.out, args.v_token_minor) for n_q in args.n_q]
+    return [report(tuple(args.pair), n_q, args.out) for n_q in args.n_q]
 
 
 if __name__ == "__main__":

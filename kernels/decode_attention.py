@@ -84,7 +84,6 @@ def _decode_attention_kernel(
     V_FMT: tl.constexpr,
     V_PAGE_BYTES: tl.constexpr,
     V_SCALE_OFF: tl.constexpr,
-    V_TM: tl.constexpr,  # V pages token-minor (kernels.formats)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_START: tl.constexpr,
@@ -135,10 +134,10 @@ def _decode_attention_kernel(
     b_acc_hi = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     for i_t in range(t0, t1):
         page = tl.load(page_table + i_t // TPP).to(tl.int64)
-        t0 = (i_t % TPP) * BLOCK_N  # the tile's first token in its page
+        row0 = i_h * 256 + (i_t % TPP) * BLOCK_N
         o_k = i_t * BLOCK_N + tl.arange(0, BLOCK_N)  # logical key positions
         m_k = (o_k >= ks) & (o_k < ke)
-        b_k_lo, b_k_hi = load_tile(k_pool, page, i_h, t0, m_k, K_FMT, HEAD_DIM, K_PAGE_BYTES,
+        b_k_lo, b_k_hi = load_tile(k_pool, page, row0, m_k, K_FMT, HEAD_DIM, K_PAGE_BYTES,
                                    K_SCALE_OFF, BLOCK_N, tl.float16, ASM, FLAT=True)
         b_s = tl.dot(b_q_lo, tl.trans(b_k_lo))
         b_s = tl.dot(b_q_hi, tl.trans(b_k_hi), b_s)
@@ -148,8 +147,8 @@ def _decode_attention_kernel(
         b_alpha = tl.exp2(b_m - b_m_use)
         b_p = tl.exp2(b_s - b_m_use[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_v_lo, b_v_hi = load_tile(v_pool, page, i_h, t0, m_k, V_FMT, HEAD_DIM, V_PAGE_BYTES,
-                                   V_SCALE_OFF, BLOCK_N, tl.float16, ASM, FLAT=True, TM=V_TM)
+        b_v_lo, b_v_hi = load_tile(v_pool, page, row0, m_k, V_FMT, HEAD_DIM, V_PAGE_BYTES,
+                                   V_SCALE_OFF, BLOCK_N, tl.float16, ASM, FLAT=True)
         b_p = b_p.to(tl.float16)
         b_acc_lo = tl.dot(b_p, b_v_lo, b_acc_lo * b_alpha[:, None])
         b_acc_hi = tl.dot(b_p, b_v_hi, b_acc_hi * b_alpha[:, None])
@@ -271,8 +270,6 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         raise ValueError(f"q must be [n_q, n_heads, head_dim] in {Q_DTYPES} with last dim "
                          f"contiguous, got {q.dtype} {tuple(q.shape)} stride {q.stride()}")
     n_q, n_heads, d = q.shape
-    if k_fmt.token_minor:
-        raise ValueError(f"K pages must be token-major (q.k reads a key's dims together), got {k_fmt}")
     if (k_fmt.n_kv_heads, k_fmt.head_dim) != (v_fmt.n_kv_heads, v_fmt.head_dim):
         raise ValueError(f"K and V formats must agree on n_kv_heads and head_dim: {k_fmt} vs {v_fmt}")
     h = k_fmt.n_kv_heads
@@ -333,7 +330,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         N_Q=n_q, GQA=gqa, N_HEADS=n_heads, HEAD_DIM=d,
         K_FMT=k_fmt.kv_type.code, K_PAGE_BYTES=k_fmt.page_bytes, K_SCALE_OFF=k_fmt.scale_offset,
         V_FMT=v_fmt.kv_type.code, V_PAGE_BYTES=v_fmt.page_bytes, V_SCALE_OFF=v_fmt.scale_offset,
-        V_TM=v_fmt.token_minor, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_START=key_start is not None, HAS_END=key_end is not None, WRITE_OUT=write_out,
         ASM=use_asm(dev),
         num_warps=num_warps, num_stages=num_stages,

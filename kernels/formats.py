@@ -9,19 +9,12 @@ In memory (device pool, host store, ring slots) a page is *split*, head-major:
 
     [ quants: n_kv_heads x 256 x qrow bytes | scales: n_kv_heads x 256 x head_dim/32 fp16 ]
 
-or, for a ``token_minor`` format (q8_0 / q4_0 only; the cache's V pages), each head's quants
-and scales transposed, so that a quant column of consecutive tokens is contiguous:
-
-    [ quants: n_kv_heads x qrow x 256 bytes | scales: n_kv_heads x head_dim/32 x 256 fp16 ]
-
 where ``qrow`` is the quant bytes of one (head, token) row (q8_0: head_dim, q4_0: head_dim/2,
 f16: 2*head_dim with no scale section). Why: one KV head's 256 rows are one contiguous run,
 so an attention program streams its head without touching the others, every quant row
 starts 16-byte aligned (wide loads; a GGML block is 34 or 18 bytes, never aligned), and
-the scales of a tile are one small contiguous run. Token-minor V: attention multiplies
-P [rows, keys] by V [keys, dims], and the tensor-core operand wants consecutive keys per
-thread; row-major byte tiles then reach it by byte gathers from shared memory (kernels/NOTES.md).
-Within a row the block order and the q4_0 nibble order are GGML's. The page has exactly the GGML byte size, so capacity math
+the scales of a tile are one small contiguous run. Within a row the block order and the
+q4_0 nibble order are GGML's. The page has exactly the GGML byte size, so capacity math
 is the same as for GGML rows; ``page_to_ggml`` / ``ggml_to_page`` convert byte-exactly.
 """
 from __future__ import annotations
@@ -68,21 +61,16 @@ class PageFormat:
     kv_type: KVType
     n_kv_heads: int
     head_dim: int
-    token_minor: bool = False  # quants [head, qrow, token], scales [head, block, token]
 
     def __post_init__(self):
         object.__setattr__(self, "kv_type", kv_type(self.kv_type))
-        if self.token_minor and not self.kv_type.scale_bytes:
-            raise ValueError(f"token-minor pages are for q8_0 / q4_0, not {self.kv_type.name} (16-bit "
-                             f"tiles are transposed on their way to the tensor cores)")
         if self.n_kv_heads < 1:
             raise ValueError(f"n_kv_heads must be >= 1, got {self.n_kv_heads}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
 
     def __str__(self) -> str:
-        minor = " (token-minor)" if self.token_minor else ""
-        return f"{self.kv_type.name} pages{minor} of {self.n_kv_heads} KV heads x {self.head_dim}"
+        return f"{self.kv_type.name} pages of {self.n_kv_heads} KV heads x {self.head_dim}"
 
     @property
     def blocks_per_head(self) -> int:
@@ -113,24 +101,9 @@ def page_bytes(n_kv_heads: int, head_dim: int, t: str | KVType) -> int:
     return PageFormat(kv_type(t), n_kv_heads, head_dim).page_bytes
 
 
-def _transpose_heads(pages: torch.Tensor, fmt: PageFormat, to_token_minor: bool) -> torch.Tensor:
-    """The bytes of split pages between token-major and token-minor heads (a permutation)."""
-    h, nb, qr, sb = fmt.n_kv_heads, fmt.blocks_per_head, fmt.qrow_bytes, fmt.kv_type.scale_bytes
-    lead = pages.shape[:-1]
-    q = pages[..., : fmt.scale_offset].reshape(*lead, h, *((PAGE_TOKENS, qr) if to_token_minor else (qr, PAGE_TOKENS)))
-    s = pages[..., fmt.scale_offset :].reshape(*lead, h, *((PAGE_TOKENS, nb) if to_token_minor else (nb, PAGE_TOKENS)), sb)
-    return torch.cat([q.transpose(-1, -2).reshape(*lead, -1), s.transpose(-2, -3).reshape(*lead, -1)], dim=-1)
-
-
-def token_major(pages: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
-    """uint8 [..., page_bytes] pages of ``fmt`` -> the same pages token-major (a copy if token-minor)."""
-    return _transpose_heads(pages, fmt, False) if fmt.token_minor else pages
-
-
 def page_to_ggml(pages: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
     """uint8 [..., page_bytes] split pages -> uint8 [..., 256, row_bytes] GGML rows."""
     t, h, nb = fmt.kv_type, fmt.n_kv_heads, fmt.blocks_per_head
-    pages = token_major(pages, fmt)
     lead = pages.shape[:-1]
     q = pages[..., : fmt.scale_offset].reshape(*lead, h, PAGE_TOKENS, nb, t.quant_bytes)
     parts = [q]
@@ -150,5 +123,4 @@ def ggml_to_page(rows: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
     if not t.scale_bytes:
         return q.contiguous()
     s = b[..., : t.scale_bytes].reshape(*lead, -1)
-    pages = torch.cat([q, s], dim=-1)
-    return _transpose_heads(pages, fmt, True) if fmt.token_minor else pages
+    return torch.cat([q, s], dim=-1)

@@ -103,37 +103,10 @@ def _load_flat(pool, page, o_r, m_n, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
-def _load_token_minor(pool, page, i_h, t0, m_n, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                      SCALE_OFF: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """``load_tile`` of a token-minor page: [HEAD_DIM // 2 columns, BLOCK_N tokens] tiles, tokens
-    contiguous, transposed at the end. The quants load unmasked (a tile never leaves its page, and
-    a mask along the contiguous axis would stop the wide, pipelined loads); the scales of rows
-    outside ``m_n`` become 0, so those rows read as 0 whatever their bytes (stale ones may hold NaN)."""
-    NB: tl.constexpr = HEAD_DIM // 32
-    HD2: tl.constexpr = HEAD_DIM // 2
-    o_c = tl.arange(0, HD2)[:, None]
-    o_t = t0 + tl.arange(0, BLOCK_N)[None, :]
-    p_page = pool + page * PAGE_BYTES
-    p_s = (p_page + SCALE_OFF).to(tl.pointer_type(tl.float16)) + i_h * (NB * 256)
-    b_s = tl.where(m_n[None, :], tl.load(p_s + tl.arange(0, NB)[:, None] * 256 + o_t), 0.0)
-    b_s = tl.reshape(tl.broadcast_to(b_s[:, None, :], (NB, 16, BLOCK_N)), (HD2, BLOCK_N))
-    if FMT == 1:  # q8_0: the lo half's column c is element (c // 16) * 32 + c % 16 of the row
-        p_q = p_page + (i_h * HEAD_DIM + (o_c // 16) * 32 + o_c % 16) * 256 + o_t
-        b_lo = _dequant(tl.load(p_q), b_s, 1, OUT_DTYPE, ASM)
-        b_hi = _dequant(tl.load(p_q + 16 * 256), b_s, 1, OUT_DTYPE, ASM)
-    else:  # q4_0: quant column c holds the lo half's column c (low nibble) and the hi half's
-        b_q = tl.load(p_page + (i_h * HD2 + o_c) * 256 + o_t)
-        b_lo = _dequant(b_q, b_s, 2, OUT_DTYPE, ASM)
-        b_hi = _dequant(b_q, b_s, 3, OUT_DTYPE, ASM)
-    return tl.trans(b_lo), tl.trans(b_hi)
-
-
-@triton.jit
 def load_tile(
     pool,  # [n_pages, PAGE_BYTES] uint8
     page,  # int64 scalar: pool page (page * PAGE_BYTES may pass 2^31)
-    i_h,  # int32 scalar: the KV head
-    t0,  # int32 scalar: the tile's first token in the page (a multiple of BLOCK_N: wide loads)
+    row0,  # int32 scalar: first (head * 256 + token) row of the tile inside the page
     m_n,  # [BLOCK_N] bool: rows to load (others read as 0)
     FMT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -143,9 +116,8 @@ def load_tile(
     OUT_DTYPE: tl.constexpr,
     ASM: tl.constexpr,
     FLAT: tl.constexpr = False,
-    TM: tl.constexpr = False,
 ):
-    """Tokens [t0, t0 + BLOCK_N) of KV head i_h of a page, dequantized to OUT_DTYPE (exact, then one
+    """Rows [row0, row0 + BLOCK_N) of a page, dequantized to OUT_DTYPE (exact, then one
     rounding), as halves (lo, hi), each [BLOCK_N, HEAD_DIM // 2]: lo holds elements 0..15 of
     every 32-block, hi 16..31 (the q4_0 nibble split; q8_0 / f16 use it too so callers have
     one code path). ASM: use the PTX fast path (CUDA only). FLAT: address the quants of
@@ -153,11 +125,9 @@ def load_tile(
     ones reshaped after the load. For a tile that feeds tl.dot, Triton then swizzles the
     bytes it stages in shared memory; the 3-D form got an unswizzled layout, whose bank
     conflicts made decode attention 11-27% slower (kernels/NOTES.md). Gather has no shared
-    memory stage: it keeps the 3-D form. TM: the page is token-minor (``kernels.formats``)."""
+    memory stage: it keeps the 3-D form."""
     NB: tl.constexpr = HEAD_DIM // 32
-    if TM:
-        return _load_token_minor(pool, page, i_h, t0, m_n, FMT, HEAD_DIM, PAGE_BYTES, SCALE_OFF, BLOCK_N, OUT_DTYPE, ASM)
-    o_r = i_h * 256 + t0 + tl.arange(0, BLOCK_N)  # int32: (head, token) rows inside a page
+    o_r = row0 + tl.arange(0, BLOCK_N)  # int32: offsets inside a page
     if FLAT and FMT != 0:
         return _load_flat(pool, page, o_r, m_n, FMT, HEAD_DIM, PAGE_BYTES, SCALE_OFF, BLOCK_N, OUT_DTYPE, ASM)
     o_e = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]  # [1, NB, 16]
@@ -198,7 +168,6 @@ def _gather_kernel(
     SCALE_OFF: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ASM: tl.constexpr,
-    TM: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -206,8 +175,8 @@ def _gather_kernel(
     page = tl.load(page_ids + i_t // TPP).to(tl.int64)
     o_t = tl.arange(0, BLOCK_T)
     m_t = i_t * BLOCK_T + o_t < n_tokens
-    b_lo, b_hi = load_tile(pool, page, i_h, (i_t % TPP) * BLOCK_T, m_t, FMT, HEAD_DIM,
-                           PAGE_BYTES, SCALE_OFF, BLOCK_T, out.dtype.element_ty, ASM, TM=TM)
+    b_lo, b_hi = load_tile(pool, page, i_h * 256 + (i_t % TPP) * BLOCK_T, m_t, FMT, HEAD_DIM,
+                           PAGE_BYTES, SCALE_OFF, BLOCK_T, out.dtype.element_ty, ASM)
     NB: tl.constexpr = HEAD_DIM // 32
     o_e = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]  # [1, NB, 16]
     p_o = out + (i_t * BLOCK_T).to(tl.int64) * stride_on  # int64: the output may pass 2^31 elements
@@ -245,7 +214,6 @@ def gather(pool: torch.Tensor, page_ids: torch.Tensor, n_tokens: int, fmt: PageF
     _gather_kernel[grid](
         pool, page_ids, out, n_tokens, out.stride(0), out.stride(1),
         FMT=fmt.kv_type.code, HEAD_DIM=fmt.head_dim, PAGE_BYTES=fmt.page_bytes,
-        SCALE_OFF=fmt.scale_offset, BLOCK_T=block_t, ASM=use_asm(pool.device), TM=fmt.token_minor,
-        num_warps=num_warps,
+        SCALE_OFF=fmt.scale_offset, BLOCK_T=block_t, ASM=use_asm(pool.device), num_warps=num_warps,
     )
     return out

@@ -87,14 +87,11 @@ def dequantize(blocks: torch.Tensor, t: str | KVType) -> torch.Tensor:
 # ---- pages -----------------------------------------------------------------------------
 
 def _page_views(pool: torch.Tensor, fmt: PageFormat):
-    """pool [n_pages, page_bytes] -> quants [n_pages, H, 256, qrow], scales [n_pages, H, 256, nb, 2]
-    (strided views of a token-minor pool)."""
-    n, h, nb, sb = pool.shape[0], fmt.n_kv_heads, fmt.blocks_per_head, fmt.kv_type.scale_bytes
-    q, s = pool[:, : fmt.scale_offset], pool[:, fmt.scale_offset :]
-    if fmt.token_minor:
-        return (q.view(n, h, fmt.qrow_bytes, PAGE_TOKENS).transpose(2, 3),
-                s.view(n, h, nb, PAGE_TOKENS, sb).transpose(2, 3))
-    return q.view(n, h, PAGE_TOKENS, fmt.qrow_bytes), s.view(n, h, PAGE_TOKENS, nb, sb)
+    """pool [n_pages, page_bytes] -> quants [n_pages, H, 256, qrow], scales [n_pages, H, 256, 2*nb]."""
+    n, h = pool.shape[0], fmt.n_kv_heads
+    q = pool[:, : fmt.scale_offset].view(n, h, PAGE_TOKENS, fmt.qrow_bytes)
+    s = pool[:, fmt.scale_offset :].view(n, h, PAGE_TOKENS, fmt.blocks_per_head * fmt.kv_type.scale_bytes)
+    return q, s
 
 
 def _words(x: torch.Tensor) -> torch.Tensor:
@@ -115,14 +112,9 @@ def store(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fmt: Page
     g = quantize(rows, t).view(-1, fmt.n_kv_heads, nb, t.block_bytes)  # [n, H, nb, bb]
     q, s = _page_views(pool, fmt)
     page, tok = slots // PAGE_TOKENS, slots % PAGE_TOKENS
-    quants = g[..., t.scale_bytes :].reshape(len(slots), fmt.n_kv_heads, -1)
-    if fmt.token_minor:  # a byte per token and column: no wider words
-        q[page, :, tok] = quants
-        s[page, :, tok] = g[..., : t.scale_bytes]
-        return
-    _words(q)[page, :, tok] = _words(quants.contiguous())
+    _words(q)[page, :, tok] = _words(g[..., t.scale_bytes :].reshape(len(slots), fmt.n_kv_heads, -1).contiguous())
     if t.scale_bytes:
-        _words(s.flatten(-2))[page, :, tok] = _words(g[..., : t.scale_bytes].reshape(len(slots), fmt.n_kv_heads, -1).contiguous())
+        _words(s)[page, :, tok] = _words(g[..., : t.scale_bytes].reshape(len(slots), fmt.n_kv_heads, -1).contiguous())
 
 
 def dequantize_pages(pool: torch.Tensor, page_ids: torch.Tensor, fmt: PageFormat) -> torch.Tensor:

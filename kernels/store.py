@@ -47,7 +47,6 @@ def _store_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_BYTES: tl.constexpr,
     SCALE_OFF: tl.constexpr,
-    TM: tl.constexpr,  # token-minor page: quants [head, column, token], scales [head, block, token]
 ):
     NB: tl.constexpr = HEAD_DIM // 32
     i_n = tl.program_id(0).to(tl.int64)
@@ -55,8 +54,7 @@ def _store_kernel(
     slot = tl.load(slots + i_n).to(tl.int64)
     m_ok = slot >= 0
     page = tl.where(m_ok, slot, 0) // 256
-    tok = tl.where(m_ok, slot, 0) % 256
-    row = i_h * 256 + tok  # (head, token) row inside the page
+    row = i_h * 256 + tl.where(m_ok, slot, 0) % 256  # (head, token) row inside the page
 
     o_b = tl.arange(0, NB)
     o_j = tl.arange(0, 16)
@@ -80,14 +78,9 @@ def _store_kernel(
             q_hi = _round_half_away(b_hi * b_id)
             q_lo = tl.where(tl.abs(q_lo) < 256, q_lo, 0.0)  # NaN/inf (1/d overflowed) -> 0 as gguf
             q_hi = tl.where(tl.abs(q_hi) < 256, q_hi, 0.0)
-            if TM:
-                p_q = p_page + (i_h * HEAD_DIM + o_e) * 256 + tok
-                hi = 16 * 256
-            else:
-                p_q = p_page + row * HEAD_DIM + o_e
-                hi = 16
+            p_q = p_page + row * HEAD_DIM + o_e
             tl.store(p_q, q_lo.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_x)
-            tl.store(p_q + hi, q_hi.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_x)
+            tl.store(p_q + 16, q_hi.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_x)
         else:  # q4_0: d = v / -8 (v: first element of largest |x|), q = min(15, trunc(x/d + 8.5))
             a_lo = tl.abs(b_lo)
             a_hi = tl.abs(b_hi)
@@ -103,16 +96,9 @@ def _store_kernel(
             v_hi = b_hi * b_id + 8.5
             q_lo = tl.minimum(tl.where(tl.abs(v_lo) < 256, v_lo, 0.0).to(tl.int32), 15)
             q_hi = tl.minimum(tl.where(tl.abs(v_hi) < 256, v_hi, 0.0).to(tl.int32), 15)
-            if TM:
-                p_q = p_page + (i_h * (HEAD_DIM // 2) + o_b[:, None] * 16 + o_j[None, :]) * 256 + tok
-            else:
-                p_q = p_page + row * (HEAD_DIM // 2) + o_b[:, None] * 16 + o_j[None, :]
+            p_q = p_page + row * (HEAD_DIM // 2) + o_b[:, None] * 16 + o_j[None, :]
             tl.store(p_q, (q_lo | (q_hi << 4)).to(tl.uint8), mask=m_x)
-        p_s = (p_page + SCALE_OFF).to(tl.pointer_type(tl.float16))
-        if TM:
-            p_s += (i_h * NB + o_b) * 256 + tok
-        else:
-            p_s += row * NB + o_b
+        p_s = (p_page + SCALE_OFF).to(tl.pointer_type(tl.float16)) + row * NB + o_b
         tl.store(p_s, b_d.to(tl.float16), mask=(slot + 0 * o_b) >= 0)
 
 
@@ -149,5 +135,5 @@ def store(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fmt: Page
     _store_kernel[(rows.shape[0], h)](
         rows, slots, pool, rows.stride(0), rows.stride(1),
         FMT=fmt.kv_type.code, HEAD_DIM=d, PAGE_BYTES=fmt.page_bytes, SCALE_OFF=fmt.scale_offset,
-        TM=fmt.token_minor, num_warps=1, enable_fp_fusion=False,
+        num_warps=1, enable_fp_fusion=False,
     )

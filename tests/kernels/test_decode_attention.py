@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kernels import reference
 from kernels.decode_attention import decode_attention, max_splits, merge, splits_for
-from kernels.formats import PAGE_TOKENS, PageFormat, ggml_to_page, page_to_ggml
+from kernels.formats import PAGE_TOKENS, PageFormat
 
 # (K type, V type, head_dim, n_kv_heads, GQA, n_q, L, n_splits, q dtype): every type pair,
 # head_dim 64/128, GQA 1/6/7, n_q 1..6 and 16, L 1/255/256/257/long, splits none/more than pages
@@ -21,20 +21,11 @@ CASES = [
     ("q4_0", "q4_0", 64, 2, 1, 2, 4000, 7, torch.float32),
     ("q8_0", "q8_0", 64, 1, 6, 16, 600, None, torch.float16),
     ("q8_0", "q4_0", 64, 2, 7, 6, 6, 1, torch.float16),
-    # V pages token-minor (":tm", the cache's layout): a masked tail, the verify shape, splits
-    ("q8_0", "q4_0:tm", 64, 2, 7, 3, 255, None, torch.float32),
-    ("q8_0", "q4_0:tm", 128, 2, 6, 5, 3000, None, torch.float16),
-    ("q4_0", "q8_0:tm", 64, 1, 7, 16, 600, 3, torch.float32),
 ]
 
 
-def page_format(t: str, n_kv_heads: int, head_dim: int) -> PageFormat:
-    """"q4_0" -> token-major pages, "q4_0:tm" -> token-minor."""
-    return PageFormat(t.split(":")[0], n_kv_heads, head_dim, t.endswith(":tm"))
-
-
 def make_case(make_pool, gen, device, kt, vt, head_dim, n_kv_heads, gqa, n_q, L, dtype):
-    kf, vf = PageFormat(kt, n_kv_heads, head_dim), page_format(vt, n_kv_heads, head_dim)
+    kf, vf = PageFormat(kt, n_kv_heads, head_dim), PageFormat(vt, n_kv_heads, head_dim)
     n_pages = -(-L // PAGE_TOKENS)
     k_pool, v_pool = make_pool(kf, 2 * n_pages + 1), make_pool(vf, 2 * n_pages + 1)
     table = torch.randperm(2 * n_pages + 1, generator=gen)[:n_pages].int().to(device)  # sparse, permuted
@@ -107,7 +98,7 @@ def test_visible_keys_exact(kt, L, n_q, key_start, key_end, n_splits, make_pool,
 
 
 @pytest.mark.parametrize("kt,vt,boundary", [("q8_0", "q4_0", 600), ("f16", "f16", 512),
-                                            ("q4_0", "q8_0", 1), ("q8_0", "q4_0:tm", 700)])
+                                            ("q4_0", "q8_0", 1)])
 def test_segments_merge_to_one_pass(kt, vt, boundary, make_pool, gen, device):
     """Resident pages (arena pool) + streamed pages (ring pool), each with its own page table
     and key range, merged from partials == one pass over one table."""
@@ -170,19 +161,6 @@ def test_segments_merge_to_one_pass(kt, vt, boundary, make_pool, gen, device):
     assert all(torch.equal(x, y) for x, y in zip(pb, pb_t))
 
 
-@pytest.mark.parametrize("vt", ["q8_0", "q4_0"])
-def test_token_minor_v_pages_attend_alike(vt, make_pool, gen, device):
-    """The same V rows in token-major and token-minor pages: the same values reach tl.dot in the
-    same order, so the outputs are bit-identical (key ranges cut inside a tile too)."""
-    q, k_pool, v_pool, table, kf, vf = make_case(make_pool, gen, device, "q8_0", vt, 128, 2, 6, 5, 1000,
-                                                 torch.float16)
-    tf = PageFormat(vt, 2, 128, token_minor=True)
-    v_tm = ggml_to_page(page_to_ggml(v_pool.cpu(), vf), tf).to(device)
-    for kw in (dict(), dict(key_start=100, key_end=777, n_splits=3)):
-        assert torch.equal(decode_attention(q, k_pool, v_tm, table, 1000, kf, tf, **kw),
-                           decode_attention(q, k_pool, v_pool, table, 1000, kf, vf, **kw))
-
-
 def test_merge_many_splits(gen, device):
     """More splits than one merge pass takes (256), some of them empty (m = -inf)."""
     S, n_q, n_heads, d = 300, 2, 3, 64
@@ -215,7 +193,6 @@ def test_decode_rejects_bad_inputs(device):
         (dict(page_table=table.long()), "page_table must be contiguous int32"),
         (dict(k_pool=vp), rf"k_pool must be uint8 \[n_pages, {kf.page_bytes}\]"),
         (dict(v_fmt=PageFormat("q4_0", 1, 64)), "must agree on n_kv_heads"),
-        (dict(k_fmt=PageFormat("q8_0", 2, 64, token_minor=True)), "K pages must be token-major"),
         (dict(seq_len=torch.tensor([600.0], device=device)), "seq_len must be an int or a 1-element"),
         (dict(seq_len=800), r"covers 768 tokens, the key range needs 800 \(4 pages\)"),
         (dict(n_splits=3, partials=reference.Partials(*(torch.empty(2, 2, 12, *d, device=device)
@@ -225,8 +202,6 @@ def test_decode_rejects_bad_inputs(device):
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
             decode_attention(**ok(**kw))
-    with pytest.raises(ValueError, match="token-minor pages are for q8_0 / q4_0, not f16"):
-        PageFormat("f16", 2, 64, token_minor=True)
 
 
 @pytest.mark.bigmem

@@ -15,15 +15,12 @@ CASES = [  # (type, head_dim, n_kv_heads, n_tokens, out dtype)
     ("f16", 128, 1, 700, torch.float32),
     ("q8_0", 64, 1, 513, torch.bfloat16),
     ("q4_0", 64, 1, 300, torch.bfloat16),
-    ("q8_0:tm", 128, 2, 257, torch.float16),  # token-minor pages (the cache's V)
-    ("q4_0:tm", 64, 3, 3001, torch.float32),
-    ("q4_0:tm", 128, 1, 255, torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("t,head_dim,n_kv_heads,n_tokens,dtype", CASES)
 def test_gather_matches_reference(t, head_dim, n_kv_heads, n_tokens, dtype, make_pool, gen, device):
-    fmt = PageFormat(t.split(":")[0], n_kv_heads, head_dim, t.endswith(":tm"))
+    fmt = PageFormat(t, n_kv_heads, head_dim)
     n_pages = -(-n_tokens // PAGE_TOKENS)
     pool = make_pool(fmt, 2 * n_pages + 1)
     ids = torch.randperm(pool.shape[0], generator=gen)[:n_pages].int().to(device)  # sparse, permuted

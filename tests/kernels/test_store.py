@@ -12,8 +12,6 @@ from kernels.store import store
 
 GGML = {"f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0,
         "q4_0": GGMLQuantizationType.Q4_0}
-# (type, token_minor): every page layout (token-minor: the cache's q8_0 / q4_0 V pages)
-LAYOUTS = [("f16", False), ("q8_0", False), ("q4_0", False), ("q8_0", True), ("q4_0", True)]
 
 
 def gguf_quantize(x: torch.Tensor, t: str) -> torch.Tensor:
@@ -68,11 +66,11 @@ def test_reference_codec_matches_gguf(t):
         np.testing.assert_array_equal(reference.dequantize(b, t).numpy(), want)
 
 
-@pytest.mark.parametrize("t, tm", LAYOUTS)
+@pytest.mark.parametrize("t", ["f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("dtype,head_dim,n_kv_heads", [
     (torch.float32, 64, 1), (torch.float16, 128, 2), (torch.bfloat16, 64, 3)])
-def test_store_kernel_byte_exact(t, tm, dtype, head_dim, n_kv_heads, device, gen):
-    fmt = PageFormat(t, n_kv_heads, head_dim, tm)
+def test_store_kernel_byte_exact(t, dtype, head_dim, n_kv_heads, device, gen):
+    fmt = PageFormat(t, n_kv_heads, head_dim)
     n_pages, n = 5, 70
     pool = torch.randint(0, 256, (n_pages, fmt.page_bytes), dtype=torch.uint8, generator=gen)
     slots = torch.randperm(n_pages * PAGE_TOKENS, generator=gen)[:n]
@@ -94,19 +92,13 @@ def test_store_kernel_byte_exact(t, tm, dtype, head_dim, n_kv_heads, device, gen
     assert torch.equal(ggml, gguf_quantize(rows[keep].float().reshape(int(keep.sum()), -1), t))
 
 
-@pytest.mark.parametrize("t, tm", LAYOUTS)
-def test_page_export_import_roundtrip(t, tm, gen):
-    fmt = PageFormat(t, 2, 64, tm)
+@pytest.mark.parametrize("t", ["f16", "q8_0", "q4_0"])
+def test_page_export_import_roundtrip(t, gen):
+    fmt = PageFormat(t, 2, 64)
     pages = torch.randint(0, 256, (3, fmt.page_bytes), dtype=torch.uint8, generator=gen)
     rows = page_to_ggml(pages, fmt)
     assert rows.shape == (3, PAGE_TOKENS, fmt.row_bytes)
     assert torch.equal(ggml_to_page(rows, fmt), pages)
-    if tm:  # the same bytes as the token-major page of the same rows, head by head transposed
-        major = ggml_to_page(rows, PageFormat(t, 2, 64))
-        q = lambda p, shape: p[:, : fmt.scale_offset].reshape(3, 2, *shape)  # noqa: E731
-        assert torch.equal(q(pages, (fmt.qrow_bytes, PAGE_TOKENS)), q(major, (PAGE_TOKENS, fmt.qrow_bytes)).transpose(-1, -2))
-        sc = lambda p, shape: p[:, fmt.scale_offset:].view(torch.int16).reshape(3, 2, *shape)  # noqa: E731
-        assert torch.equal(sc(pages, (2, PAGE_TOKENS)), sc(major, (PAGE_TOKENS, 2)).transpose(-1, -2))
     # a GGML row quantized by gguf and imported dequantizes to gguf's values
     x = random_blocks(PAGE_TOKENS, fmt.n_kv_heads * fmt.head_dim, seed=3)
     page = ggml_to_page(gguf_quantize(x, t), fmt)[None]
@@ -182,9 +174,9 @@ def test_store_rejects_bad_inputs(device):
 
 
 @pytest.mark.bigmem
-@pytest.mark.parametrize("t, tm", LAYOUTS)
-def test_store_past_2gib(t, tm, big_pool, device):
-    fmt = PageFormat(t, 1, 64, tm)
+@pytest.mark.parametrize("t", ["f16", "q8_0", "q4_0"])
+def test_store_past_2gib(t, big_pool, device):
+    fmt = PageFormat(t, 1, 64)
     pool, ids = big_pool(fmt)
     page_ids = torch.tensor([ids[0], ids[-1]])
     slots = (page_ids[:, None] * PAGE_TOKENS + torch.tensor([0, 255])).flatten()
