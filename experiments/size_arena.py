@@ -27,7 +27,8 @@ from policies.eject import Never
 
 def capacity_with_draft(cfg: StudyConfig, mib: float) -> tuple[int, object]:
     model, tok, _ = _load(cfg)
-    d, max_tokens = cfg.spec.draft, cache_tokens(cfg.context, cfg.max_new_tokens, cfg.spec)
+    d = cfg.spec.draft
+    max_tokens = cache_tokens(cfg.context, cfg.max_new_tokens, cfg.spec, model.cfg.context_length)
     host = DRAFT_HOSTS.get_host(d.source, tok, model.dtype, model.device)
     cache = make_cache(cfg.cache, replace(cfg.arena, mib=str(mib)), model, max_tokens, cfg.prefill_chunk,
                        verify_width=1 + cfg.spec.n_max)

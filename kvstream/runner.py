@@ -56,16 +56,18 @@ def eject_policy(p: PolicyConfig):
                        trust_onset=p.trust_onset, horizon=p.horizon)
 
 
-def cache_tokens(n_prompt: int, max_new_tokens: int, spec) -> int:
+def cache_tokens(n_prompt: int, max_new_tokens: int, spec, context_length: int) -> int:
     """The tokens a run's caches hold: with speculation, a verify batch may run up to ``spec.n_max``
-    tokens past the last one kept (the decode's last round keeps the usual width)."""
-    return n_prompt + max_new_tokens + (spec.n_max if spec.type != "none" else 0)
+    tokens past the last one kept (the decode's last round keeps the usual width), within the
+    model's context (there the last round narrows to what fits)."""
+    n = n_prompt + max_new_tokens
+    return max(n, min(n + (spec.n_max if spec.type != "none" else 0), context_length))
 
 
 def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *, on_token=None,
                progress: bool = False, hosts: DraftHosts = DRAFT_HOSTS) -> RunResult:
     """Decode ``cfg.max_new_tokens`` after ``prompt`` as ``cfg`` says."""
-    spec, max_tokens = cfg.spec, cache_tokens(len(prompt), cfg.max_new_tokens, cfg.spec)
+    spec, max_tokens = cfg.spec, cache_tokens(len(prompt), cfg.max_new_tokens, cfg.spec, model.cfg.context_length)
     speculating = spec.type != "none"
     drafting = speculating and "draft" in parse_chain_spec(spec.type)
     graphs = cfg.engine.cuda_graphs and model.device.type == "cuda"
