@@ -55,7 +55,7 @@ def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
             sig[p.name], consts[(i,)] = "constexpr", const[p.name]
             continue
         sig[p.name] = POINTERS.get(p.name, "fp32" if p.name == "sm_scale" else "i32")
-        if p.name in POINTERS or p.name.startswith("stride"):  # what a launch specializes on
+        if (p.name in POINTERS and p.name not in da.UNALIGNED) or p.name.startswith("stride"):  # what a launch specializes on
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),

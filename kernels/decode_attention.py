@@ -52,10 +52,17 @@ MERGE_BLOCK_S, MERGE_BLOCK_S_FEW, MERGE_BLOCK_D = 256, 512, 32
 # ~4 programs per SM (f16 31 us vs 41 us with 4 warps; q8_0/q4_0 26.3 vs 26.6 us).
 # 64 rows: 128-key tiles and 4 warps keep wgmma tiles full (34.5 us vs 36.0 with 64 keys).
 # 128 rows (n_q * GQA > 64): 8 warps to hold the 128 x head_dim fp32 accumulator; not swept.
+# Pointers whose offset follows the layer or the plan (a page-table row, a round's key scalars, a
+# round's rows of a shared partials buffer): Triton compiles one variant per 16-byte alignment of a
+# specialized pointer, so these are not specialized. Rows of max_pages int32 (max_pages % 4 != 0)
+# otherwise needed other variants of the multi-round calls for 3 layers in 4, compiled at the first
+# multi-round step in mid-decode: 2.3-2.5 s (results/draft_threshold_h200_final4/README.md). They
+# are scalar loads and small stores; part_acc's rows are always 16-byte multiples and stay specialized.
+UNALIGNED = ["page_table", "p_len", "p_start", "p_end", "part_m", "part_l"]
 LAUNCH = {16: (64, 2, 2, 4), 32: (64, 2, 2, 4), 64: (128, 4, 2, 2), 128: (64, 8, 2, 2)}
 
 
-@triton.jit(do_not_specialize=["n_splits"])
+@triton.jit(do_not_specialize=["n_splits"], do_not_specialize_on_alignment=UNALIGNED)
 def _decode_attention_kernel(
     q,  # [N_Q, N_HEADS, HEAD_DIM], last dim contiguous
     k_pool,  # [n_pages_k, K_PAGE_BYTES] uint8

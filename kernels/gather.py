@@ -154,7 +154,7 @@ def load_tile(
     return tl.reshape(b_lo, (BLOCK_N, HEAD_DIM // 2)), tl.reshape(b_hi, (BLOCK_N, HEAD_DIM // 2))
 
 
-@triton.jit(do_not_specialize=["n_tokens"])
+@triton.jit(do_not_specialize=["n_tokens"], do_not_specialize_on_alignment=["page_ids"])  # a slice of a table row
 def _gather_kernel(
     pool,  # [n_pages, PAGE_BYTES] uint8
     page_ids,  # [>= cdiv(n_tokens, 256)] int32

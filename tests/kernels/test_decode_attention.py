@@ -161,6 +161,38 @@ def test_segments_merge_to_one_pass(kt, vt, boundary, make_pool, gen, device):
     assert all(torch.equal(x, y) for x, y in zip(pb, pb_t))
 
 
+def test_layer_and_round_offsets_need_no_new_kernel_variants():
+    """Triton compiles a kernel variant per 16-byte alignment of each pointer it specializes on (its
+    own specialization function decides here, on CPU). A paged cache passes each layer a row of its
+    page tables, and each round key scalars and rows of one partials buffer, at offsets that follow
+    the layer and the plan. Specialized, rows of 73 int32 pages gave layers 1-3 (mod 4) other
+    variants than layer 0, compiled at their first multi-round step in mid-decode (2.3-2.5 s on the
+    H200, results/draft_threshold_h200_final4). One variant serves every such offset now."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    import kernels.decode_attention as da
+    import kernels.gather as ga
+
+    def keys(kernel):
+        free = getattr(kernel, "do_not_specialize_on_alignment", None)
+        if free is None:  # the interpreter's function keeps its options in kwargs
+            free = kernel.kwargs["do_not_specialize_on_alignment"]
+        return lambda name, t: native_specialize_impl(BaseBackend, t, False, True, name not in set(free or ()))
+
+    key = keys(da._decode_attention_kernel)
+    tables = torch.zeros(28, 73, dtype=torch.int32)
+    assert len({key("page_table", tables[layer]) for layer in range(28)}) == 1
+    flat = torch.zeros(6, dtype=torch.int64)  # (start, end) of 3 rounds
+    assert len({key(n, flat[i:i + 1]) for n in ("p_len", "p_start", "p_end") for i in range(6)}) == 1
+    m = torch.zeros(300, 5, 14)  # partials m / l of 5 queries x 14 heads (the 0.5B): 280-byte rows
+    assert len({key(n, m[u:]) for n in ("part_m", "part_l") for u in range(4)}) == 1
+    acc = torch.zeros(300, 5, 14, 64)  # rows of head_dim x 4 bytes: always 16-byte aligned, specialized
+    assert {key("part_acc", acc[u:])[1] for u in range(4)} == {"D"}
+    # prefill gathers a round's pages: a slice of a row
+    assert len({keys(ga._gather_kernel)("page_ids", tables[3][a:]) for a in range(4)}) == 1
+
+
 def test_merge_many_splits(gen, device):
     """More splits than one merge pass takes (256), some of them empty (m = -inf)."""
     S, n_q, n_heads, d = 300, 2, 3, 64
