@@ -16,7 +16,9 @@ tokens per batch over the median batch time of the state's latest batches, so a 
 to the transition instead. The per-page part is paid by a state that streams pages: a streaming
 plan re-captures its CUDA graphs when a page opens. It is measured on the batches that open a
 page and applied to whichever state streams (until a page opens, an eject's re-capture cost
-stands in for it). A probe is too short to meet a page boundary, and a long stint meets one per
+stands in for it), on the target's part of those batches: the draft's own slow batches (its window
+restarts, ~0.1 s) are not page costs, and one landing on an opening made auto eject a draft that
+was paying (results/draft_threshold_h200_final4, 18432). A probe is too short to meet a page boundary, and a long stint meets one per
 page: measured over a window, the two states would not compare alike.
 """
 
@@ -82,6 +84,7 @@ class DraftControl:
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []
         self._after: list[tuple[int, float]] = []  # (tokens, seconds) of the batches since the latest transition
+        self._target: dict[bool, deque[float]] = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
 
     @property
     def active(self) -> bool:
@@ -165,7 +168,8 @@ class DraftControl:
         seconds = median(s for _, s in m) if len(m) >= GOODPUT_MIN else 0.0
         return (seconds, sum(n for n, _ in m) / len(m)) if seconds > 0 else None
 
-    def _record(self, new_tokens: int, step_s: float, pages: int, state: bool, measured: bool = True) -> None:
+    def _record(self, new_tokens: int, step_s: float, pages: int, state: bool, measured: bool = True,
+                draft_s: float = 0.0) -> None:
         """One batch into ``state``'s measurements (``measured`` False: into nobody's), or into
         the latest transition's. A page opens in the batch that launched the step writing its
         first row: with a plain step queued ahead (run-ahead), the batch before the one whose
@@ -177,10 +181,11 @@ class DraftControl:
         if self.since < CHARGED:
             self._after.append((new_tokens, step_s))
             return
-        steady = self._steady(state)
-        if opens and steady and self._streams(state, pages):
-            self.page_costs.append(step_s - steady[0])  # beyond the median batch
+        target = self._target[state]
+        if opens and len(target) >= GOODPUT_MIN and self._streams(state, pages):
+            self.page_costs.append(step_s - draft_s - median(target))  # the target's part, beyond its median
         self.meter[state].append((new_tokens, step_s))
+        target.append(step_s - draft_s)
         steady = self._steady(state)
         if steady is None:
             return
@@ -190,10 +195,11 @@ class DraftControl:
             self.transitions[-1].after_s = max(0.0, sum(s - n / rate for n, s in self._after))
 
     def after_step(self, step: int, new_tokens: int, step_s: float, length: int | None = None,
-                   tokens_left: int | None = None) -> Action:
+                   tokens_left: int | None = None, draft_s: float = 0.0) -> Action:
         """Record one decode batch; apply the policy's decision. Returns it. ``length``: the
         context after the batch, when the cache holds a next step queued ahead; ``tokens_left``:
-        what the decode has still to generate (None: unbounded)."""
+        what the decode has still to generate (None: unbounded); ``draft_s``: the draft's part of
+        ``step_s``."""
         length = self.cache.length if length is None else length
         pages = -(-length // PAGE_TOKENS)
         flipped = False
@@ -201,6 +207,7 @@ class DraftControl:
             if self._streams(state, pages) != self.streaming[state]:
                 self.streaming[state] = not self.streaming[state]
                 self.meter[state].clear()
+                self._target[state].clear()
                 self.measured[state] = (None, None)
                 flipped = True
         if flipped and (not self.transitions or self.transitions[-1].after_s is not None):  # none pending a charge
@@ -211,7 +218,7 @@ class DraftControl:
             self._resumed = self.plain_left == 0
             self.since += 1
             return Action.STAY
-        self._record(new_tokens, step_s, pages, self.active, measured=not self._resumed)
+        self._record(new_tokens, step_s, pages, self.active, measured=not self._resumed, draft_s=draft_s)
         self._resumed = False
         self.since += 1
         if tokens_left == 0:  # the decode is over: a transition now would only cost
@@ -223,6 +230,7 @@ class DraftControl:
                 raise RuntimeError(f"{self.policy} asked for a plain measurement the snapshot said cannot be made")
             self.plain_left = PLAIN_CHARGED + GOODPUT_MIN
             self.meter[False].clear()  # this measurement's batches alone: earlier ones were at another context
+            self._target[False].clear()
             self.plains.append({"step": step, "action": action.value, "pages_per_layer": snap.pages_per_layer})
             return action
         if action is Action.STAY:
@@ -242,6 +250,7 @@ class DraftControl:
                                            time.perf_counter() - t0, moved))
         self.since = 0
         self.meter[self.active].clear()
+        self._target[self.active].clear()
         self._after = []
         return action
 

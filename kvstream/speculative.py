@@ -166,7 +166,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         bar.update(len(kept))
         if control is not None:
             control.after_step(len(records) - 1, len(kept), step_s, length=start + len(kept),
-                               tokens_left=0 if out[-1] in stop else max_new_tokens - len(out))
+                               tokens_left=0 if out[-1] in stop else max_new_tokens - len(out), draft_s=draft_s)
         last = (len(draft), len(kept) - 1)  # (0, 0) after a round without a draft: no change
         n_round = length_policy.decide(LengthSnapshot(
             n_max, *last, accepted_total / drafted_total if drafted_total else None, dict(timing.width_s),
