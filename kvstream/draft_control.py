@@ -75,6 +75,7 @@ class DraftControl:
         self.plain_left = 0  # batches left in a plain measurement (MEASURE_PLAIN)
         self._resumed = False  # the next batch is the first drafting round after one: its catch-up is not a steady round
         self.plains: list[dict] = []  # the plain measurements made: step, pages per layer
+        # per state: (tokens, seconds, the draft's seconds) of its latest batches
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         # seconds a page opening took beyond the steady rate; whole residency steps of them (one
         # opening in a step re-captures), so the mean counts the same number of re-captures
@@ -84,7 +85,6 @@ class DraftControl:
         self.measured: dict[bool, tuple[float | None, int | None]] = {True: (None, None), False: (None, None)}
         self.transitions: list[Transition] = []
         self._after: list[tuple[int, float]] = []  # (tokens, seconds) of the batches since the latest transition
-        self._target: dict[bool, deque[float]] = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
 
     @property
     def active(self) -> bool:
@@ -165,8 +165,8 @@ class DraftControl:
     def _steady(self, state: bool) -> tuple[float, float] | None:
         """(median batch seconds, mean tokens per batch) of ``state``'s latest batches."""
         m = self.meter[state]
-        seconds = median(s for _, s in m) if len(m) >= GOODPUT_MIN else 0.0
-        return (seconds, sum(n for n, _ in m) / len(m)) if seconds > 0 else None
+        seconds = median(s for _, s, _ in m) if len(m) >= GOODPUT_MIN else 0.0
+        return (seconds, sum(n for n, _, _ in m) / len(m)) if seconds > 0 else None
 
     def _record(self, new_tokens: int, step_s: float, pages: int, state: bool, measured: bool = True,
                 draft_s: float = 0.0) -> None:
@@ -181,11 +181,10 @@ class DraftControl:
         if self.since < CHARGED:
             self._after.append((new_tokens, step_s))
             return
-        target = self._target[state]
-        if opens and len(target) >= GOODPUT_MIN and self._streams(state, pages):
-            self.page_costs.append(step_s - draft_s - median(target))  # the target's part, beyond its median
-        self.meter[state].append((new_tokens, step_s))
-        target.append(step_s - draft_s)
+        m = self.meter[state]
+        if opens and len(m) >= GOODPUT_MIN and self._streams(state, pages):  # the target's part, beyond its median
+            self.page_costs.append(step_s - draft_s - median(s - d for _, s, d in m))
+        m.append((new_tokens, step_s, draft_s))
         steady = self._steady(state)
         if steady is None:
             return
@@ -207,7 +206,6 @@ class DraftControl:
             if self._streams(state, pages) != self.streaming[state]:
                 self.streaming[state] = not self.streaming[state]
                 self.meter[state].clear()
-                self._target[state].clear()
                 self.measured[state] = (None, None)
                 flipped = True
         if flipped and (not self.transitions or self.transitions[-1].after_s is not None):  # none pending a charge
@@ -230,7 +228,6 @@ class DraftControl:
                 raise RuntimeError(f"{self.policy} asked for a plain measurement the snapshot said cannot be made")
             self.plain_left = PLAIN_CHARGED + GOODPUT_MIN
             self.meter[False].clear()  # this measurement's batches alone: earlier ones were at another context
-            self._target[False].clear()
             self.plains.append({"step": step, "action": action.value, "pages_per_layer": snap.pages_per_layer})
             return action
         if action is Action.STAY:
@@ -250,7 +247,6 @@ class DraftControl:
                                            time.perf_counter() - t0, moved))
         self.since = 0
         self.meter[self.active].clear()
-        self._target[self.active].clear()
         self._after = []
         return action
 

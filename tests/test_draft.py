@@ -350,19 +350,19 @@ def test_a_plain_measurement_fits_below_the_onset_and_measures_only_its_own_batc
     # the step queued after the last plain one would stream (the draft's pool): not the ejected state
     assert not control.snapshot(end - n, tokens_left=100).plain_in_place
     assert not control.snapshot(end - n - 1, tokens_left=2 * n).plain_in_place  # too little decode left to use it
-    control.meter[False].extend([(1, 0.5)] * 8)  # an older ejected stint, at a shorter context
+    control.meter[False].extend([(1, 0.5, 0.0)] * 8)  # an older ejected stint, at a shorter context
     length = end - 40
     assert control.after_step(0, 3, 0.008, length=length, tokens_left=100) is Action.MEASURE_PLAIN
     for i in range(n):
         assert control.plain
         assert control.after_step(1 + i, 1, 0.002, length=length + 1 + i, tokens_left=99 - i) is Action.STAY
-    assert not control.plain and list(control.meter[False]) == [(1, 0.002)] * GOODPUT_MIN
+    assert not control.plain and list(control.meter[False]) == [(1, 0.002, 0.0)] * GOODPUT_MIN
     assert control.measured[False] == (pytest.approx(500), control.capacity_with)
     # the first drafting round after it (the draft catches up on the plain tokens) is not a steady round
     kept = list(control.meter[True])
     control.after_step(n + 1, 3, 0.030, length=length + n + 3, tokens_left=80)
     control.after_step(n + 2, 3, 0.008, length=length + n + 6, tokens_left=77)
-    assert list(control.meter[True]) == kept + [(3, 0.008)]
+    assert list(control.meter[True]) == kept + [(3, 0.008, 0.0)]
 
 
 def test_plain_measurements_are_not_offered_beside_another_speculator(model, host):
