@@ -226,11 +226,7 @@ class PagedCache(CacheBase):
             raise ValueError(f"cannot move a cache on {self.device} to an arena on {arena.device}")
         if (arena.buf.data_ptr(), arena.nbytes) == (self.arena.buf.data_ptr(), self.arena.nbytes):
             self.copier.wait()  # the host copies of the pages were written on the copy stream
-            for p in self.slot:
-                if p * PAGE_TOKENS < self.length:  # holds committed rows
-                    for host, rows in self._page_rows(p):
-                        self.copier.upload(rows, host)
-                    self.stats.h2d_bytes += self.n_layers * self.layout.pair
+            self._upload([p for p in self.slot if p * PAGE_TOKENS < self.length])  # those holding committed rows
             return
         self.arena = arena
         self.relayout(self.slabs[self.phase])
@@ -301,6 +297,13 @@ class PagedCache(CacheBase):
         return ((self.host.k[:, p], self.kspace[j:j + last * cap + 1:cap]),
                 (self.host.v[:, p], self.vspace[j:j + last * cap + 1:cap]))
 
+    def _upload(self, pages) -> None:
+        """Resident pages ``pages`` of every layer from the host store (after ``copier.wait``)."""
+        for p in pages:
+            for host, rows in self._page_rows(p):
+                self.copier.upload(rows, host)
+            self.stats.h2d_bytes += self.n_layers * self.layout.pair
+
     def _plan(self, n_pages: int, upload_below: int, writing: range = range(0)) -> None:
         """Make the policy's resident set for ``n_pages`` pages current; pages entering it that
         hold committed rows (``< upload_below``) are uploaded from the host store. Pages being
@@ -323,10 +326,7 @@ class PagedCache(CacheBase):
                 self.slot[p] = free.pop(0)
                 if p < upload_below:
                     uploads.append(p)
-        for p in uploads:
-            for host, rows in self._page_rows(p):
-                self.copier.upload(rows, host)
-            self.stats.h2d_bytes += self.n_layers * self.layout.pair
+        self._upload(uploads)
         # rounds: contiguous page runs with at most half the ring of streamed pages each
         half = max(1, self.ring_pages // 2)
         self.rounds, start, streamed = [], 0, []
