@@ -126,10 +126,10 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             cache.truncate(queued[0])
             queued = None
         # the last round is not cut to the tokens left, only to the cache's room: at the usual width
-        # it replays a captured graph, where a narrower one captures a new graph (50-70 ms on the H200
+        # it replays a captured graph, where a narrower one captures a new graph (31-56 ms on the H200
         # after a re-layout, results/draft_threshold_h200_final3/README.md); what runs past the end
         # is dropped below (kvstream.runner sizes the cache n_max tokens past the end for it)
-        n = min(n_round, getattr(cache, "max_tokens", cache.length + 1 + n_round) - cache.length - 1)
+        n = min(n_round, cache.max_tokens - cache.length - 1)
         draft = chain.propose(prompt + out, n) if n > 0 and not plain else []
         draft_s = time.perf_counter() - ts
         if queued is not None:  # this round's step is already on the device
