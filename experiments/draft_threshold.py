@@ -28,6 +28,7 @@ import subprocess
 import sys
 import traceback
 from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import hydra
@@ -37,6 +38,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from kvstream.config import GenerateConfig, quote_free_text, to_typed
+from kvstream.gpu_clock import ClockSampler
 from kvstream.loader import is_skeleton, open_gguf
 from kvstream.model import load_model
 from kvstream.perplexity import stdlib_text
@@ -101,7 +103,8 @@ _MODELS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one
 ROW_COLUMNS = ("run_id", "study", "arm", "policy", "keep_pages", "spec_type", "context", "rep", "new_tokens",
                "decode_tok_s", "prefill_tok_s", "capacity_with_draft", "capacity_without_draft", "draft_mib", "ejects",
                "reenables", "transitions", "acceptance_rate", "draft_time_share", "speculators",
-               "synthetic_acceptance", "random_weights", "arena_mib", "arena_bytes", "beyond_arena_mib", "model",
+               "synthetic_acceptance", "random_weights", "arena_mib", "arena_bytes", "beyond_arena_mib", "started_utc",
+               "sm_clock_mhz", "sm_clock_min_mhz", "model",
                "model_sha256", "draft_model", "device", "dtype", "prompt_sha1", "git_commit", "git_dirty",
                "device_name", "torch", "triton", "python", "config")
 
@@ -174,7 +177,11 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         run_decode(replace(run_cfg, max_new_tokens=24), model, tok, prompt)
     print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep} ...", flush=True)
     held = _held_before(model.device)
-    r = run_decode(run_cfg, model, tok, prompt, progress=cfg.progress)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with ClockSampler(model.device) as clock:
+        r = run_decode(run_cfg, model, tok, prompt, progress=cfg.progress)
+    if clock.note and model.device.type == "cuda":
+        print(f"[{cfg.study}] {clock.note}", flush=True)
     g, c = r.generation, r.control
     steps = pd.DataFrame([s.row() for s in g.records]).assign(run_id=run_id)
     (out / "steps").mkdir(parents=True, exist_ok=True)
@@ -198,6 +205,8 @@ def run_cell(cfg: StudyConfig) -> dict | None:
             resolve_model(run_cfg.model.source))),
         "arena_mib": run_cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
         "beyond_arena_mib": None if held is None else (torch.cuda.max_memory_reserved() - held - r.cache.arena.nbytes) / 2**20,
+        "started_utc": started,  # with the clock: whether a slow cell's GPU ran slower, or beside what
+        "sm_clock_mhz": clock.summary()["sm_clock_mhz"], "sm_clock_min_mhz": min(clock.samples, default=None),
         "model": run_cfg.model.source, "model_sha256": sha,
         "draft_model": run_cfg.spec.draft.source if c else None, "device": run_cfg.hardware.device,
         "dtype": run_cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],

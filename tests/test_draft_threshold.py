@@ -47,6 +47,8 @@ def test_cells_write_rows_resume_and_analyse(tiny, tmp_path):
     assert set(runs["arm"]) == {"none", "keep", "onset"}
     assert (runs["new_tokens"] == 24).all() and (runs["decode_tok_s"] > 0).all()
     assert runs["git_commit"].notna().all() and runs["model_sha256"].str.len().eq(64).all()
+    started = pd.to_datetime(runs["started_utc"], utc=True)  # ISO times, in the order the cells ran
+    assert started.is_monotonic_increasing and runs["sm_clock_mhz"].isna().all()  # CPU: no GPU clock
     keep = runs[(runs["arm"] == "keep") & (runs["context"] == 700)].iloc[0]
     assert keep["capacity_without_draft"] > keep["capacity_with_draft"] >= 1  # the draft costs pages
     onset = runs[(runs["arm"] == "onset") & (runs["context"] == 700)].iloc[0]
