@@ -59,6 +59,15 @@ class StudyConfig(GenerateConfig):
     instruction: str = "Review the code above: point out bugs, unclear names and missing tests."
     results: str = "results"
     progress: bool = True
+    prompt: str = ""  # generate's: unused here (below)
+
+    def __post_init__(self):
+        super().__post_init__()
+        # generate's prompt knobs: a study cell's prompt is always `context` tokens of source code and the
+        # instruction in the chat template; set here they would change nothing but the run id
+        if self.prompt or self.chat or self.system is not None:
+            raise ValueError(f"prompt={self.prompt!r}, chat={self.chat}, system={self.system!r}: the study builds its "
+                             "own prompt (source code + instruction, chat template); set context= and instruction=")
 
 
 def arm_config(cfg: StudyConfig) -> StudyConfig:
@@ -67,6 +76,8 @@ def arm_config(cfg: StudyConfig) -> StudyConfig:
     if a == "none":
         return replace(cfg, spec=replace(cfg.spec, type="none"))
     if a.startswith("pages") and a[5:].isdigit():
+        if int(a[5:]) < 1:
+            raise ValueError(f"arm={a!r}: pages<N> ejects above N pages per layer, N >= 1 (arm=always ejects at once)")
         return replace(cfg, policy=replace(p, eject="keep_pages", keep_pages=int(a[5:])))
     eject = {"keep": "never", "onset": "onset", "auto": "auto", "always": "always"}.get(a)
     if eject is None:

@@ -55,7 +55,11 @@ def arena_for(cfg: StudyConfig, pages: int, generous_mib: float) -> float:
 
 def main() -> None:
     argv = sys.argv[1:]
-    pages = next(int(a.split("=", 1)[1]) for a in argv if a.startswith("+pages="))
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("+pages=")), None)
+    if given is None or not given.isdigit() or int(given) < 1:
+        sys.exit(f"size_arena: give +pages=N, the resident pages per layer wanted with the draft pinned (N >= 1); "
+                 f"got {given!r}")
+    pages = int(given)
     generous = next((float(a.split("=", 1)[1]) for a in argv if a.startswith("+generous_mib=")), 4096.0)
     overrides = [a for a in argv if not a.startswith("+")]
     quote_free_text(overrides, ("instruction", "spec.type"))

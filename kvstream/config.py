@@ -27,6 +27,10 @@ class Hardware:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"hardware.dtype={self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"hardware.device={self.device!r}: give a torch device (cpu, cuda, cuda:1)") from None
         if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"hardware.device={self.device!r} but this torch build sees no CUDA device; "
                              "use hardware=cpu")
@@ -61,6 +65,16 @@ class DraftConfig:
     p_min: float = 0.75        # stop drafting when the draft's top probability falls below it
     chunk: int = 512           # catch-up tokens per draft forward pass (its compute slab)
 
+    def __post_init__(self):
+        if self.chunk < 1:
+            raise ValueError(f"spec.draft.chunk={self.chunk}: catch-up tokens per draft pass, >= 1")
+        if self.window < 0:
+            raise ValueError(f"spec.draft.window={self.window}: draft KV tokens, >= 0 (0: the whole context)")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"spec.draft.p_min={self.p_min}: a probability in [0, 1] (0: never stop early)")
+        if self.n_min < 0:
+            raise ValueError(f"spec.draft.n_min={self.n_min}: a number of draft tokens, >= 0")
+
 
 @dataclass
 class SpecConfig:
@@ -75,6 +89,8 @@ class SpecConfig:
         a = self.synthetic_acceptance
         if a is not None and not 0.0 <= a <= 1.0:
             raise ValueError(f"spec.synthetic_acceptance={a}: a probability in [0, 1], or null for real verification")
+        if self.draft.n_min > self.n_max:
+            raise ValueError(f"spec.draft.n_min={self.draft.n_min} > spec.n_max={self.n_max}: every draft would be dropped")
 
 
 @dataclass

@@ -64,7 +64,8 @@ class DraftControl:
         """``measure_in_place``: plain steps with the draft pinned measure the ejected state (the
         draft is the chain's only speculator; with others, the ejected state still speculates)."""
         if not hasattr(cache, "rearrange"):
-            raise ValueError("a draft model is pinned in the arena: use cache.mode=resident or stream")
+            raise ValueError("a draft model is pinned in the target's arena, and the contiguous cache has none: "
+                             "use cache=resident or cache=stream")
         self.draft, self.cache, self.policy = draft, cache, policy
         self.measure_in_place = measure_in_place
         cache.rearrange(lambda: draft.pin(cache.arena))

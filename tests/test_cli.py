@@ -60,6 +60,37 @@ def test_typed_config_rejects_bad_values():
         cfg_for("+no_such_key=1")
 
 
+@pytest.mark.parametrize("override, message", [
+    ("hardware.device=gpu", "hardware.device='gpu': give a torch device"),
+    ("spec.draft.chunk=0", "spec.draft.chunk=0: catch-up tokens per draft pass, >= 1"),
+    ("spec.draft.window=-1", "spec.draft.window=-1"),
+    ("spec.draft.p_min=75", r"spec.draft.p_min=75.0: a probability in \[0, 1\]"),
+    ("spec.draft.n_min=-1", "spec.draft.n_min=-1"),
+    ("spec.draft.n_min=9", r"spec.draft.n_min=9 > spec.n_max=4: every draft would be dropped"),
+])
+def test_bad_settings_name_the_key_and_the_value(override, message):
+    with pytest.raises(ValueError, match=message):
+        cfg_for("spec=draft", "spec.n_max=4", override)
+
+
+def test_every_mode_refuses_a_context_beyond_the_model(tiny):
+    """The contiguous cache too (it was built before the check): RoPE past the trained context."""
+    from kvstream.cache_factory import make_cache
+    model = load_model(tiny)
+    n = model.cfg.context_length + 1
+    for mode in ("contiguous", "resident"):
+        cfg = cfg_for(f"cache={mode}")
+        with pytest.raises(ValueError, match=f"context of {n} tokens .* exceeds the model's {n - 1}"):
+            make_cache(cfg.cache, cfg.arena, model, n, 64)
+
+
+def test_the_ring_size_must_be_a_number_or_auto(tiny):
+    from kvstream.cache_factory import make_cache
+    cfg = cfg_for("cache=stream", "cache.ring_pages=abc")
+    with pytest.raises(ValueError, match="cache.ring_pages='abc': give a number of ring slots"):
+        make_cache(cfg.cache, cfg.arena, load_model(tiny), 256, 64)
+
+
 def test_free_text_overrides_are_quoted():
     argv = ["x", "prompt=def f(a): return 'b'\\n", "system='already quoted'", "max_new_tokens=3"]
     quote_free_text(argv, ("prompt", "system"))

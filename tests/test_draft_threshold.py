@@ -4,11 +4,13 @@ the analysis writes its tables and figure; every config in conf/ composes into t
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 import conf
 from experiments.draft_threshold import StudyConfig, analyze, arm_config, review_prompt, run_cell
@@ -67,7 +69,24 @@ def test_arms_map_to_policies(tiny, tmp_path):
     assert arm_config(study_cfg(tiny, tmp_path, arm="keep")).policy.eject == "never"
     with pytest.raises(ValueError, match="arm='eject'; choose one of"):
         arm_config(study_cfg(tiny, tmp_path, arm="eject"))
+    with pytest.raises(ValueError, match="arm='pages0': pages<N> ejects above N pages per layer, N >= 1"):
+        arm_config(study_cfg(tiny, tmp_path, arm="pages0"))  # before any model is loaded
     assert cfg.policy.eject == "onset"
+
+
+@pytest.mark.parametrize("override", ["prompt=review", "chat=true", "system=terse"])
+def test_generate_prompt_knobs_are_refused_not_ignored(tiny, tmp_path, override):
+    """The study builds its own prompt: these would only change the run id (a new 'rep')."""
+    key, value = override.split("=")
+    with pytest.raises(ValueError, match="the study builds its own prompt"):
+        study_cfg(tiny, tmp_path, **{("+" if key != "prompt" else "") + key: value})
+
+
+def test_size_arena_asks_for_the_pages_it_needs(monkeypatch):
+    from experiments import size_arena
+    monkeypatch.setattr("sys.argv", ["size_arena", "experiment=draft_threshold_cpu"])
+    with pytest.raises(SystemExit, match=r"give \+pages=N, the resident pages per layer wanted .* got None"):
+        size_arena.main()
 
 
 def test_review_prompt_has_exactly_the_asked_tokens(tiny):
@@ -187,6 +206,10 @@ def test_a_spec_study_gets_its_table_and_figure(tiny, tmp_path):
     chain = table[table["spec"] == "ngram-simple,draft"].set_index("speculator")
     assert set(chain.index) == {"ngram-simple", "draft"}
     d = chain.loc["draft"]
-    assert d["drafted"] > 0 and d["acceptance"] == d["accepted"] / d["drafted"]
+    cell = runs[runs["spec_type"] == "ngram-simple,draft"]["run_id"].astype(str).iloc[0]
+    steps = pd.read_csv(tmp_path / "t" / "steps" / f"{cell}.csv")
+    won = steps[steps["speculator"] == "draft"]  # the rounds the draft proposed, step by step
+    assert d["drafted"] == won["drafted"].sum() > 0 and d["accepted"] == won["accepted"].sum()
+    assert d["acceptance"] == pytest.approx(won["accepted"].sum() / won["drafted"].sum(), rel=1e-12)  # float division
     assert table[table["spec"] == "none"]["speculator"].tolist() == ["-"]
     assert (tmp_path / "t" / "spec.png").stat().st_size > 0
