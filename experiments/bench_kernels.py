@@ -252,7 +252,6 @@ def sweep(gen, ceil, rows):
                 (64, 4, 2, 8, True)]
     for pair, n_q in itertools.product([("q8_0", "q4_0"), ("f16", "f16")], [1, 6]):
         block_m = da.block_rows(n_q, N_HEADS // N_KV_HEADS)
-        default = da.LAUNCH[block_m]
         for bn, nw, ns, pps, asm in variants:
             da.LAUNCH[block_m] = (bn, nw, ns, pps)
             da.use_asm = (lambda d: d.type == "cuda") if asm else (lambda d: False)

@@ -520,7 +520,7 @@ class PagedCache(CacheBase):
         return out if not parts else self.ops.merge(parts, q.dtype)
 
     def _prefill_attention(self, layer: int, q: torch.Tensor, L: int) -> torch.Tensor:
-        n, table = self._n, self.tables[layer]
+        table = self.tables[layer]
         k = torch.empty((L, self.k_fmt.n_kv_heads, self.k_fmt.head_dim), dtype=q.dtype, device=q.device)
         v = torch.empty_like(k)
         for r, (a, b, _) in enumerate(self.rounds):

@@ -171,6 +171,8 @@ def test_copy_bound_steps_get_their_own_line():
     m = fit_cost_model(make_steps(truth))
     assert m.f > 0 and m.rms_residual_s < 1e-9  # noiseless: the max of two lines is exact
     for k in ("a", "b", "c", "d", "e", "f"):
+        # least squares on exact data: float64 rounding of the normal equations (1e-6 relative is far above it;
+        # abs for coefficients that are 0)
         assert getattr(m, k) == pytest.approx(getattr(truth, k), rel=1e-6, abs=1e-12), k
     plain = fit_cost_model(make_steps())  # linear truth: the copy line's 3 more parameters buy nothing
     assert (plain.e, plain.f) == (0.0, 0.0)

@@ -109,7 +109,14 @@ def test_every_group_option_composes(group):
         with initialize_config_module("conf", version_base=None):
             cfg = compose("generate", overrides=[f"{group}={option}"])
             typed = to_typed(cfg, GenerateConfig)
-        assert typed is not None
+        # every value the option's file sets reaches the typed config (nested: spec.draft)
+        want = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
+        got = asdict(getattr(typed, group))
+        want.pop("defaults", None)  # another option it extends: checked as that option
+        for key, value in want.items():
+            for k, v in (value.items() if isinstance(value, dict) else [(None, value)]):
+                have = got[key] if k is None else got[key][k]
+                assert str(have) == str(v), (group, option, key, k, have, v)
 
 
 @pytest.mark.parametrize("experiment", _options("experiment"))

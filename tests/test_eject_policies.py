@@ -282,7 +282,9 @@ def test_auto_reaches_the_best_fixed_threshold():
     auto = simulate(build("auto")).tokens_per_s
     fixed = {t: simulate(build("keep_pages", keep_pages=t)).tokens_per_s for t in range(CAP_WITH, 401, 5)}
     best = max(fixed, key=fixed.get)
-    assert abs(best - CROSSOVER) <= 10, best  # the curves are what the test says they are
+    # the curves are what the test says they are: the best threshold on this 5-page grid lies within
+    # two grid steps of the crossover (the batch-level simulation quantizes the gain near it)
+    assert abs(best - CROSSOVER) <= 10, best
     # probes cost settle batches in the worse state and two transitions per probe_pages pages
     assert auto >= 0.95 * fixed[best], (auto, best, fixed[best])
     assert auto > max(fixed[CAP_WITH], fixed[400], simulate(build("always")).tokens_per_s)  # onset, never, always

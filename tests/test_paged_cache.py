@@ -265,8 +265,9 @@ def test_auto_ring_never_costs_a_resident_page():
 def test_f16_pages_match_the_contiguous_cache(model, tokens):
     ref = run(model, model.new_cache(2048), tokens)
     got = run(model, paged(model, "resident", types=("f16", "f16")), tokens)
-    # the only difference is K/V rounded to fp16 in the pages (the model runs fp32)
-    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+    # the only difference is K/V rounded to fp16 in the pages (the model runs fp32): at most 2^-11
+    # (4.9e-4) relative per value, which moves the logits by less than that of their scale (3e-5 seen)
+    assert (got - ref).abs().max() <= 1e-3 * ref.abs().max()
 
 
 def committed(pool_pages, L, fmt):
@@ -477,7 +478,8 @@ def test_page_tables_map_every_page_where_the_plan_puts_it(layers, max_pages, ca
     """The tables, built a column per page for all layers at once, against the rule page by
     page: a resident page of layer l sits in the pool at ring + l * capacity + its slot; a
     streamed page of round r at its place in the round's ring half (a group's layers side by
-    side). Integers: equal or not."""
+    side), the halves taken in turn by the copies in the order they run (group by group, round
+    by round: a counter here, not the cache's formula). Integers: equal or not."""
     pair = pair_bytes()
     arena = Arena((layers * capacity + (ring or 2 * max_pages)) * pair + 8 * ALIGN, "cpu")
     cache = PagedCache(n_layers=layers, n_kv_heads=SPEC.n_kv_heads, head_dim=SPEC.head_dim,
@@ -486,12 +488,15 @@ def test_page_tables_map_every_page_where_the_plan_puts_it(layers, max_pages, ca
     for n in (max_pages // 2, max_pages // 2 + 1, max_pages):  # a plan, then a page opening, then the full context
         cache.length = (n - 1) * PAGE_TOKENS
         cache._plan(n, upload_below=n - 1, writing=range(n - 1, n))
-        half = max(1, cache.ring_pages // 2)
-        for l in range(layers):
+        half, copies = max(1, cache.ring_pages // 2), 0
+        for g in range(0, layers, cache.group):  # the copies in the order they run: each takes the other half
             for r, (_, _, pages) in enumerate(cache.rounds):
-                base = cache._half(l, r) * half + (l % cache.group) * len(pages)
-                for i, p in enumerate(pages):
-                    assert cache.tables_host[l, p] == base + i
+                for l in range(g, min(g + cache.group, layers)):
+                    base = (copies % 2) * half + (l - g) * len(pages)
+                    for i, p in enumerate(pages):
+                        assert cache.tables_host[l, p] == base + i
+                copies += 1
+        for l in range(layers):
             for p, j in cache.slot.items():
                 assert cache.tables_host[l, p] == cache.ring_pages + l * cache.capacity + j
         assert torch.equal(cache.tables, cache.tables_host)
