@@ -9,9 +9,19 @@ from typing import TypeVar
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kernels.formats import KV_TYPES
+from policies import chain_order, draft_length, eject
+from policies.residency import RESIDENCY
+
 from .sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CACHE_MODES = ("contiguous", "resident", "stream")
+
+
+def _choose(key: str, value: str, names) -> None:
+    if value not in names:
+        raise ValueError(f"{key}={value!r}; choose one of {', '.join(names)}")
 
 
 @dataclass
@@ -49,6 +59,16 @@ class CacheConfig:
     residency: str = "newest"  # newest | sink_newest (policies/residency.py)
     residency_step: int = 1    # stream mode: the oldest resident pages leave this many at a time (fewer re-captures)
 
+    def __post_init__(self):  # here, so that a sweep's bad cell fails before its model loads
+        _choose("cache.mode", self.mode, CACHE_MODES)
+        _choose("cache.type_k", self.type_k, KV_TYPES)
+        _choose("cache.type_v", self.type_v, KV_TYPES)
+        _choose("cache.residency", self.residency, RESIDENCY)
+        if self.residency_step < 1:
+            raise ValueError(f"cache.residency_step={self.residency_step}: give a whole number of pages >= 1")
+        if str(self.ring_pages) != "auto" and not str(self.ring_pages).isdigit():
+            raise ValueError(f"cache.ring_pages={self.ring_pages!r}: give a number of ring slots (>= 2) or auto")
+
 
 @dataclass
 class ArenaConfig:
@@ -66,6 +86,8 @@ class DraftConfig:
     chunk: int = 512           # catch-up tokens per draft forward pass (its compute slab)
 
     def __post_init__(self):
+        _choose("spec.draft.type_k", self.type_k, KV_TYPES)
+        _choose("spec.draft.type_v", self.type_v, KV_TYPES)
         if self.chunk < 1:
             raise ValueError(f"spec.draft.chunk={self.chunk}: catch-up tokens per draft pass, >= 1")
         if self.window < 0:
@@ -106,6 +128,11 @@ class PolicyConfig:
     horizon: bool = True       # auto: no transition the decode's remaining tokens cannot pay for (false: off)
     draft_length: str = "fixed"  # fixed (spec.n_max) | heuristic (+2 / -1) | goodput (policies/draft_length.py)
     chain_order: str = "fixed"   # fixed | by_goodput (policies/chain_order.py)
+
+    def __post_init__(self):  # the names only: their numbers are checked where the policy is built
+        _choose("policy.eject", self.eject, eject.NAMES)
+        _choose("policy.draft_length", self.draft_length, draft_length.POLICIES)
+        _choose("policy.chain_order", self.chain_order, chain_order.POLICIES)
 
 
 @dataclass

@@ -211,6 +211,9 @@ class Auto:
         return Action.STAY
 
 
+NAMES = ("onset", "keep_pages", "never", "always", "auto")  # build's names, for checking a config early
+
+
 def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_decodes: int = 4,
           probe_pages: int = 16, settle: int = 8, margin: float = 0.03, trust_onset: bool = True,
           horizon: bool = True):
@@ -227,6 +230,7 @@ def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_de
     """
     base = {"onset": Onset(), "keep_pages": KeepPages(keep_pages), "never": Never(), "always": Always(),
             "auto": Auto(probe_pages, settle, margin, trust_onset, horizon)}
+    assert tuple(base) == NAMES
     if name not in base:
         raise ValueError(f"policy.eject={name!r}; choose one of {', '.join(base)}")
     if name == "keep_pages" and keep_pages < 1:

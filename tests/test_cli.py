@@ -67,6 +67,15 @@ def test_typed_config_rejects_bad_values():
     ("spec.draft.p_min=75", r"spec.draft.p_min=75.0: a probability in \[0, 1\]"),
     ("spec.draft.n_min=-1", "spec.draft.n_min=-1"),
     ("spec.draft.n_min=9", r"spec.draft.n_min=9 > spec.n_max=4: every draft would be dropped"),
+    ("spec.draft.type_v=q5_0", "spec.draft.type_v='q5_0'; choose one of f16, q8_0, q4_0"),
+    ("cache.mode=dense", "cache.mode='dense'; choose one of contiguous, resident, stream"),
+    ("cache.type_k=q5_0", "cache.type_k='q5_0'; choose one of f16, q8_0, q4_0"),
+    ("cache.residency=oldest", "cache.residency='oldest'; choose one of newest, sink_newest"),
+    ("cache.residency_step=0", "cache.residency_step=0: give a whole number of pages >= 1"),
+    ("cache.ring_pages=abc", "cache.ring_pages='abc': give a number of ring slots"),
+    ("policy.eject=sometimes", "policy.eject='sometimes'; choose one of onset, keep_pages, never, always, auto"),
+    ("policy.draft_length=long", "policy.draft_length='long'; choose one of fixed, heuristic, goodput"),
+    ("policy.chain_order=random", "policy.chain_order='random'; choose one of fixed, by_goodput"),
 ])
 def test_bad_settings_name_the_key_and_the_value(override, message):
     with pytest.raises(ValueError, match=message):
@@ -85,8 +94,10 @@ def test_every_mode_refuses_a_context_beyond_the_model(tiny):
 
 
 def test_the_ring_size_must_be_a_number_or_auto(tiny):
+    """make_cache checks it too, for callers whose CacheConfig was changed after its checks ran."""
     from kvstream.cache_factory import make_cache
-    cfg = cfg_for("cache=stream", "cache.ring_pages=abc")
+    cfg = cfg_for("cache=stream")
+    cfg.cache.ring_pages = "abc"
     with pytest.raises(ValueError, match="cache.ring_pages='abc': give a number of ring slots"):
         make_cache(cfg.cache, cfg.arena, load_model(tiny), 256, 64)
 

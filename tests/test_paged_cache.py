@@ -363,7 +363,7 @@ def test_gates_name_the_numbers(model):
         paged(model, "stream", mib=0.5, ring=8)
     with pytest.raises(ArenaTooSmall, match=r"cache.mode=resident, 2048 tokens x 2 layers"):
         paged(model, "resident", mib=small_arena_mib(model, 4, 0))
-    with pytest.raises(ValueError, match="unknown KV type 'q5_0'"):
+    with pytest.raises(ValueError, match="cache.type_k='q5_0'; choose one of f16, q8_0, q4_0"):  # at the config
         paged(model, "resident", types=("q5_0", "q4_0"))
     with pytest.raises(ValueError, match="exceeds the model's 4096"):
         paged(model, "resident", max_tokens=5000)
