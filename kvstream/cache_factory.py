@@ -93,20 +93,10 @@ def paged_bytes(cfg, type_k: str, type_v: str, max_tokens: int, slab: int, ring_
     return slab + pages * pair + 4 * ALIGN
 
 
-def ring_slots(cache: CacheConfig) -> int | None:
-    """``cache.ring_pages`` as a number of slots (None: auto)."""
-    if str(cache.ring_pages) == "auto":
-        return None
-    try:
-        return int(cache.ring_pages)
-    except ValueError:
-        raise ValueError(f"cache.ring_pages={cache.ring_pages!r}: give a number of ring slots (>= 2) or auto") from None
-
-
 def phase_slabs(cache: CacheConfig, model, max_tokens: int, prefill_chunk: int, verify_width: int = 1,
                 all_logits: bool = False) -> dict[str, int]:
     """The compute slab of each phase (``reserve_slab``) for a cache of ``max_tokens`` tokens."""
-    ring = ring_slots(cache)
+    ring = cache.ring_slots
     kv = dict(max_tokens=max_tokens, type_k=cache.type_k, type_v=cache.type_v,
               ring_pages=ring if cache.mode == "stream" else 0)
     slabs = {"prefill": reserve_slab(model, min(prefill_chunk, max_tokens), all_logits=all_logits, **kv),
@@ -128,16 +118,13 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
     batch carries), unless ``slabs`` gives them (``phase_slabs``, already measured).
     ``arena.mib=auto`` leaves room for ``pinned_bytes`` more in the pinned region (a draft)."""
     c = model.cfg
+    cache.check()
     if max_tokens > c.context_length:  # every mode: RoPE past the trained context is not this model any more
         raise ValueError(f"context of {max_tokens} tokens (the prompt and the new tokens) "
                          f"exceeds the model's {c.context_length}")
     if cache.mode == "contiguous":
         return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, model.dtype, model.device)
-    if cache.residency not in RESIDENCY:
-        raise ValueError(f"cache.residency={cache.residency!r}; choose one of {', '.join(RESIDENCY)}")
-    if not str(cache.residency_step).isdigit() or int(cache.residency_step) < 1:
-        raise ValueError(f"cache.residency_step={cache.residency_step!r}: give a whole number of pages >= 1")
-    ring = ring_slots(cache)
+    ring = cache.ring_slots
     slabs = slabs or phase_slabs(cache, model, max_tokens, prefill_chunk, verify_width, all_logits)
     slab = max(slabs.values())
     if arena.mib == "auto":  # room for every page of the context: nothing needs to stream

@@ -60,14 +60,23 @@ class CacheConfig:
     residency_step: int = 1    # stream mode: the oldest resident pages leave this many at a time (fewer re-captures)
 
     def __post_init__(self):  # here, so that a sweep's bad cell fails before its model loads
+        self.check()
+
+    def check(self) -> None:
+        """Every name and number known; also run by ``make_cache`` (a config may be changed after)."""
         _choose("cache.mode", self.mode, CACHE_MODES)
         _choose("cache.type_k", self.type_k, KV_TYPES)
         _choose("cache.type_v", self.type_v, KV_TYPES)
         _choose("cache.residency", self.residency, RESIDENCY)
-        if self.residency_step < 1:
-            raise ValueError(f"cache.residency_step={self.residency_step}: give a whole number of pages >= 1")
+        if not str(self.residency_step).isdigit() or int(self.residency_step) < 1:
+            raise ValueError(f"cache.residency_step={self.residency_step!r}: give a whole number of pages >= 1")
         if str(self.ring_pages) != "auto" and not str(self.ring_pages).isdigit():
             raise ValueError(f"cache.ring_pages={self.ring_pages!r}: give a number of ring slots (>= 2) or auto")
+
+    @property
+    def ring_slots(self) -> int | None:
+        """``ring_pages`` as a number of slots (None: auto)."""
+        return None if str(self.ring_pages) == "auto" else int(self.ring_pages)
 
 
 @dataclass
