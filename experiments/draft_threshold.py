@@ -217,7 +217,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "arena_mib": run_cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
         "beyond_arena_mib": None if held is None else (torch.cuda.max_memory_reserved() - held - r.cache.arena.nbytes) / 2**20,
         "started_utc": started,  # with the clock: whether a slow cell's GPU ran slower, or beside what
-        "sm_clock_mhz": clock.summary()["sm_clock_mhz"], "sm_clock_min_mhz": min(clock.samples, default=None),
+        **{k: clock.summary()[k] for k in ("sm_clock_mhz", "sm_clock_min_mhz")},
         "model": run_cfg.model.source, "model_sha256": sha,
         "draft_model": run_cfg.spec.draft.source if c else None, "device": run_cfg.hardware.device,
         "dtype": run_cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],
