@@ -233,8 +233,8 @@ def run_cell(cfg: StudyConfig) -> dict | None:
 def _held_before(device: torch.device) -> int | None:
     """CUDA: what torch holds before a cell's run (the weights; the warm-up's freed blocks are
     given back first), the peak count restarted. The run's peak beyond this and its arena is
-    ``beyond_arena_mib``: the draft's compute buffers and captured graphs (outside the arena on
-    CUDA), new streams' cuBLAS workspaces, the logits handed to the sampler."""
+    ``beyond_arena_mib``: a new stream's cuBLAS workspace, the logits handed to the sampler (the
+    draft's compute buffers and captured graphs are in its slabs, inside the arena)."""
     if device.type != "cuda":
         return None
     gc.collect()

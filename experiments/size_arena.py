@@ -46,7 +46,9 @@ def arena_for(cfg: StudyConfig, pages: int, generous_mib: float) -> float:
     if cap < pages:
         raise ValueError(f"even {generous_mib} MiB holds only {cap} pages/layer with the draft; give more")
     extra = layout.pool_pages - pages * control.cache.n_layers  # pool pages beyond the wanted ones
-    mib = (layout.nbytes - extra * layout.pair + layout.pair // 2) / MIB
+    free = layout.nbytes - layout.pinned - layout.end  # bytes short of one more page: without them the
+    # sized arena could hold one page more (a whole layer's page more for one of few layers)
+    mib = (layout.nbytes - extra * layout.pair - free + layout.pair // 2) / MIB
     got, _ = capacity_with_draft(cfg, mib)
     if got != pages:
         raise RuntimeError(f"sized {mib:.2f} MiB for {pages} pages/layer but it holds {got}")

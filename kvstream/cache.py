@@ -51,6 +51,10 @@ class CacheBase:
         arena's slab; elsewhere torch's allocator as usual."""
         return contextlib.nullcontext() if self.slab_pool is None else self.slab_pool.scope()
 
+    def recycles(self, n: int) -> bool:
+        """A pass of ``n`` tokens starts on an empty pool, which no captured graph can keep."""
+        return False
+
     def set_phase(self, phase: str) -> None:
         """Re-lay memory for a phase ("prefill", "decode"); nothing to do without an arena."""
 

@@ -97,8 +97,15 @@ def phase_slabs(cache: CacheConfig, model, max_tokens: int, prefill_chunk: int, 
                 all_logits: bool = False) -> dict[str, int]:
     """The compute slab of each phase (``reserve_slab``) for a cache of ``max_tokens`` tokens."""
     ring = cache.ring_slots
-    kv = dict(max_tokens=max_tokens, type_k=cache.type_k, type_v=cache.type_v,
-              ring_pages=ring if cache.mode == "stream" else 0)
+    return slabs_for(model, prefill_chunk, verify_width, max_tokens=max_tokens, type_k=cache.type_k,
+                     type_v=cache.type_v, ring_pages=ring if cache.mode == "stream" else 0, all_logits=all_logits)
+
+
+def slabs_for(model, prefill_chunk: int, verify_width: int, *, max_tokens: int, type_k: str, type_v: str,
+              ring_pages: int | None = 0, all_logits: bool = False) -> dict[str, int]:
+    """{"prefill": slab of ``prefill_chunk``-token passes, "decode": of passes up to
+    ``verify_width`` tokens}, through a paged cache of these page types and ring."""
+    kv = dict(max_tokens=max_tokens, type_k=type_k, type_v=type_v, ring_pages=ring_pages)
     slabs = {"prefill": reserve_slab(model, min(prefill_chunk, max_tokens), all_logits=all_logits, **kv),
              "decode": reserve_slab(model, min(verify_width, max_tokens), **kv)}
     if model.device.type == "cuda":

@@ -26,6 +26,19 @@ import torch
 from kernels.decode_attention import MAX_N_Q
 
 
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one capture stream of a device, shared by every GraphedModel (a target's and its
+    draft's): a stream's first matmul gives it a cuBLAS workspace for good (32 MiB on the H200),
+    outside any arena, so each extra stream would cost that much beyond it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(index)
+    return _SIDE[index]
+
+
 class GraphedModel:
     """Calls like the model (``graphed(tokens, cache, all_logits)``); decode widths replay graphs."""
 
@@ -37,7 +50,7 @@ class GraphedModel:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()  # for caches without a slab
         # warm-ups and captures run on one side stream, so a slab's segments serve both
-        self.stream = torch.cuda.Stream(model.device)
+        self.stream = side_stream(model.device)
         self.plan = None
         self._cache = lambda: None  # a weak reference to the cache the graphs were captured with
         self.captures = 0
@@ -47,8 +60,7 @@ class GraphedModel:
 
     def __call__(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
         n = tokens.shape[0]
-        if n > self.tokens.shape[0] or not hasattr(cache, "plan_key") or (
-                cache.slab_pool is not None and cache.phase == "prefill"):
+        if n > self.tokens.shape[0] or not hasattr(cache, "plan_key") or cache.recycles(n):
             # prefill chunks (a short last one too: a prefill slab starts each pass empty),
             # caches without static buffers
             return self.model(tokens, cache, all_logits)

@@ -67,6 +67,11 @@ def copy_runs(pages: list[int]) -> list[tuple[int, int]]:
     return [(a, n)] if pages[-1] - a == n - 1 else [(p, 1) for p in pages]
 
 
+def both_slabs_bytes(slabs: dict[str, int]) -> int:
+    """The slab of a ``both_slabs`` cache: the prefill slab, then the decode slab aligned."""
+    return -(-slabs["prefill"] // ALIGN) * ALIGN + slabs["decode"]
+
+
 class _Copier:
     """Host<->device copies on a side stream with events (CUDA); plain copies elsewhere."""
 
@@ -130,7 +135,7 @@ class _Copier:
 class PagedCache(CacheBase):
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
                  type_v: str, mode: str, arena: Arena, ring_pages: int | None, slabs: dict[str, int],
-                 verify_width: int = 1, residency=NewestResident()):
+                 verify_width: int = 1, residency=NewestResident(), both_slabs: bool = False):
         if mode not in MODES:
             raise ValueError(f"cache.mode={mode!r}; choose one of {', '.join(MODES)}")
         if mode == "stream" and ring_pages is not None and ring_pages < 2:
@@ -149,6 +154,9 @@ class PagedCache(CacheBase):
         self._n = 0
         self.stats = StepStats()
         self.slabs = slabs  # phase -> compute slab bytes (from the reserve passes)
+        # a draft's cache stays in one phase while catch-up chunks and captured one-token steps
+        # alternate: both slabs side by side (``both_slabs_bytes``), a pass's width picks one
+        self.both_slabs = both_slabs
         self.verify_width = verify_width  # the widest decode batch the decode slab was reserved for
         self.phase = "prefill"
         # static step buffers, written in place by begin: a captured step (kvstream.cuda_graph)
@@ -167,8 +175,10 @@ class PagedCache(CacheBase):
         self._plan_sig = None  # the streamed pages' rounds (and grouping) that the round keys are for
         self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
         self._primed = None  # the plan_key (layout and plan) whose first round ring half 0 holds, copied by the last step's end
-        self.slab_pool: SlabPool | None = None  # CUDA: the current phase's compute buffers, in the slab
-        self.relayout(slabs["prefill"])
+        # CUDA: the compute buffers of the phase's passes, and (both_slabs) of the decode-width ones
+        self._pools: tuple[SlabPool | None, SlabPool | None] = (None, None)
+        self._pools_at = None  # (arena address, slab bytes) the pools were made for
+        self.relayout()
 
     def set_phase(self, phase: str) -> None:
         """Switch phase (prefill -> decode): the slab shrinks to the decode peak and the pool
@@ -177,7 +187,7 @@ class PagedCache(CacheBase):
             self.phase = phase
             self.settle()
             self.arena.release_layout()
-            self.relayout(self.slabs[phase])
+            self.relayout()
 
     def rearrange(self, change):
         """Re-lay the arena around a change of its pinned region: ``change()`` pins or releases
@@ -186,7 +196,7 @@ class PagedCache(CacheBase):
         self.settle()
         self.arena.release_layout()
         out = change()
-        self.relayout(self.slabs[self.phase])
+        self.relayout()
         return out
 
     def __del__(self):
@@ -195,22 +205,39 @@ class PagedCache(CacheBase):
         copier = getattr(self, "copier", None)
         if copier is not None and copier.cuda:
             copier.stream.synchronize()
-        if getattr(self, "slab_pool", None) is not None:
-            self.slab_pool.pool = None  # its segments go before the arena's bytes can be reused
+        for pool in getattr(self, "_pools", ()):
+            if pool is not None:
+                pool.pool = None  # its segments go before the arena's bytes can be reused
+
+    @property
+    def slab_pool(self) -> SlabPool | None:
+        """Where the pass in progress (between ``begin`` and ``commit``) takes its device buffers
+        (CUDA): the phase's slab, or with ``both_slabs`` the decode slab for decode widths."""
+        phase, steps = self._pools
+        return steps if steps is not None and self._n <= MAX_N_Q else phase
+
+    def recycles(self, n: int) -> bool:
+        """A pass of ``n`` tokens starts on an empty pool: a prefill slab's (its sizes grow with
+        the prefix, see ``SlabPool.recycle``), which no captured graph can keep."""
+        phase, steps = self._pools
+        return phase is not None and self.phase == "prefill" and not (steps is not None and n <= MAX_N_Q)
 
     def compute(self):
-        """A forward pass's device buffers come from the slab (CUDA); a prefill pass starts on
-        an empty pool (its sizes grow with the prefix, see ``SlabPool.recycle``)."""
-        if self.slab_pool is not None and self.phase == "prefill":
-            self.slab_pool.recycle()
+        """A forward pass's device buffers come from the slab (CUDA)."""
+        if self.recycles(self._n):
+            self._pools[0].recycle()
         return super().compute()
 
     def close_slab(self) -> None:
         """Give the slab's compute buffers back (the slab moves or shrinks at a re-layout); the
-        next layout makes a new pool."""
-        if self.slab_pool is not None:
-            self.slab_pool.close()
-            self.slab_pool = None
+        next layout makes new pools."""
+        for pool in self._pools:
+            if pool is not None:
+                pool.close()
+        self._pools, self._pools_at = (None, None), None
+
+    def _slab_bytes(self) -> int:
+        return both_slabs_bytes(self.slabs) if self.both_slabs else self.slabs[self.phase]
 
     def settle(self) -> None:
         """Work on the compute stream from now on runs after every write-back issued so far:
@@ -229,16 +256,16 @@ class PagedCache(CacheBase):
             self._upload([p for p in self.slot if p * PAGE_TOKENS < self.length])  # those holding committed rows
             return
         self.arena = arena
-        self.relayout(self.slabs[self.phase])
+        self.relayout()
 
     # ---- layout and residency ------------------------------------------------------------
 
-    def relayout(self, slab_bytes: int) -> Layout:
+    def relayout(self) -> Layout:
         """(Re)build the arena layout: at a phase switch, or when the pinned region changed."""
         # resident mode holds every page; streaming needs the pages one verify batch can write
         min_pages = self.max_pages if self.mode == "resident" else min(self.max_pages, 2)
-        if self.slab_pool is not None and (self.slab_pool.nbytes != slab_bytes
-                                           or self.slab_pool.base != self.arena.buf.data_ptr()):
+        slab_bytes = self._slab_bytes()
+        if self._pools_at != (self.arena.buf.data_ptr(), slab_bytes):
             self.close_slab()  # the slab moves or shrinks: its buffers go before pages take its bytes
         self.ring_pages = self.ring_request if self.ring_request is not None else self._auto_ring(slab_bytes)
         try:
@@ -248,8 +275,15 @@ class PagedCache(CacheBase):
             raise ArenaTooSmall(f"cache.mode={self.mode}, {self.max_tokens} tokens x {self.n_layers} layers "
                                 f"({self.k_fmt.kv_type.name}/{self.v_fmt.kv_type.name}): {e}") from None
         self.capacity = min(self.layout.pool_pages // self.n_layers, self.max_pages)  # pages per layer
-        if self.slab_pool is None and self.device.type == "cuda" and slab_bytes > 0:
-            self.slab_pool = SlabPool(self.arena.view(0, (slab_bytes,), torch.uint8), f"{self.phase} slab")
+        if self._pools == (None, None) and self.device.type == "cuda":
+            pool = lambda at, n, name: SlabPool(self.arena.view(at, (n,), torch.uint8), name) if n else None
+            self._pools_at = (self.arena.buf.data_ptr(), slab_bytes)
+            if self.both_slabs:
+                steps = self.slabs["decode"]
+                self._pools = (pool(0, self.slabs["prefill"], "catch-up slab"),
+                               pool(slab_bytes - steps, steps, "step slab"))
+            else:
+                self._pools = (pool(0, slab_bytes, f"{self.phase} slab"), None)
         self.kspace, self.vspace = self.arena.pages(self.layout)
         self.slot: dict[int, int] = {}  # resident logical page -> index in [0, capacity)
         self.tables_host = torch.zeros((self.n_layers, self.max_pages), dtype=torch.int32)

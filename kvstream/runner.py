@@ -83,7 +83,10 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
     chain = build_chain(spec.type, options) if speculating else None
     cache = make_cache(cfg.cache, cfg.arena, model, max_tokens, cfg.prefill_chunk,
                        verify_width=1 + spec.n_max if speculating else 1,
-                       pinned_bytes=chain.get("draft").estimated_bytes() if "draft" in options else 0)
+                       # only an automatic arena sizes itself around the draft (on CUDA the estimate
+                       # measures the draft's slabs with its weights on the device for a moment)
+                       pinned_bytes=chain.get("draft").estimated_bytes()
+                       if "draft" in options and cfg.arena.mib == "auto" else 0)
     if not speculating:
         return RunResult(generate(step, cache, prompt, cfg.max_new_tokens, sampler, stop_ids=stop,
                                   prefill_chunk=cfg.prefill_chunk, on_token=on_token), None, None, cache)

@@ -280,6 +280,54 @@ def test_a_reenabled_draft_replays_its_graphs(tmp_path):
     assert draft.model is graphed and graphed.captures == captures
 
 
+def test_a_pinned_drafts_buffers_and_graphs_live_in_the_arena(tmp_path):
+    """A graphed draft's steps and catch-up passes take their buffers from its two slabs in its
+    KV region, inside the target's arena: every captured draft step's output lies in the step
+    slab, catch-up chunks ran in the catch-up slab, and a speculative run adds beyond the arena
+    only the callers' copies of the logits (results/draft_memory_h200: 110 MiB before)."""
+    import test_draft as t
+    from kvstream.arena import MIB, Arena
+    from kvstream.cache_factory import make_cache
+    from kvstream.config import ArenaConfig, CacheConfig
+    from kvstream.cuda_graph import GraphedModel
+    from kvstream.draft_control import DraftControl
+    from kvstream.speculative import speculative_generate
+    from kvstream.speculators.base import Chain
+    from kvstream.speculators.draft import DraftModel, load_host
+    from kvstream.tokenizer import Tokenizer
+    from policies.eject import Never
+
+    target_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
+    m = load_model(target_file, torch.float32, "cuda")
+    host = load_host(target_file, Tokenizer.from_gguf(target_file).token_texts, torch.float32, "cuda")
+    new = lambda: DraftModel(host, "cuda", max_tokens=1024, chunk=64, graphs=True)  # 64: catch-ups wider than a step
+    nbytes = new().pin(Arena(256 * MIB, "cuda"))
+    step = GraphedModel(m)
+
+    def run():
+        c, draft = make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(), m, 1024, t.CHUNK, 9,
+                              pinned_bytes=nbytes + MIB), new()
+        speculative_generate(step, c, t.PROMPT, t.NEW, Sampler(SamplingParams(), "cuda"), Chain([draft]), n_max=8,
+                             prefill_chunk=t.CHUNK, control=DraftControl(draft, c, Never()))
+        return c, draft
+
+    run()  # compiles, cuBLAS workspaces
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    c, draft = run()
+    torch.cuda.synchronize()
+    added = free - torch.cuda.mem_get_info()[0]
+    catch_up, steps = draft.cache._pools
+    assert draft.model.graphs and all(steps.base < out.data_ptr() < steps.base + steps.nbytes
+                                      for _, out in draft.model.graphs.values())
+    assert catch_up.segments.peak > 0  # the prompt's catch-up ran there (483 tokens: 64-token chunks)
+    kv = draft.cache.arena.buf
+    assert c.arena.buf.data_ptr() <= kv.data_ptr() < kv.data_ptr() + kv.numel() <= c.arena.buf.data_ptr() + c.arena.nbytes
+    # beyond the arena: the clones of the target's and the draft's logits (a 2 MiB segment or two)
+    assert added - c.arena.nbytes <= 6 << 20, (added, c.arena.nbytes)
+
+
 def host_matches_device(cache, tail: bool = False) -> int:
     """Committed pages whose host copy differs from the device copy (any layer, K or V); with
     ``tail`` the partial last page too (whole: valid once nothing wrote it after its commit)."""

@@ -14,6 +14,7 @@ import torch
 from kernels.formats import PAGE_TOKENS
 from kvstream.arena import ALIGN, MIB, Arena
 from kvstream.cache_factory import make_cache, reserve_slab
+from kvstream.paged_cache import both_slabs_bytes
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.draft_control import CHARGED, GOODPUT_MIN, PLAIN_CHARGED, DraftControl, Transition
 from kvstream.generate import generate
@@ -184,6 +185,20 @@ def test_eject_gives_the_draft_bytes_to_the_page_pool_and_reenable_takes_them_ba
         cache.rearrange(lambda: draft.pin(arena))
         assert (arena.top, arena.pinned, cache.layout, cache.capacity) == state
     assert control.capacity_without == min(layout0.pool_pages // SPEC.n_layers, cache.max_pages)
+
+
+def test_the_draft_pins_both_its_slabs_and_its_estimate_covers_what_it_pins(host):
+    """The draft's KV region lays out its catch-up slab and its step slab side by side (on CUDA
+    the pools of its passes: tests/test_cuda.py); ``estimated_bytes``, which sizes an automatic
+    arena before the draft is pinned, covers what ``pin`` then takes, short of one ALIGN per
+    tensor (the weights' alignment, counted whole in the estimate)."""
+    draft = DraftModel(host, "cpu", max_tokens=1024, chunk=64)
+    estimate = draft.estimated_bytes()
+    pinned = draft.pin(Arena(256 * MIB, "cpu"))
+    assert draft.slabs["prefill"] > draft.slabs["decode"] > 0  # 64-token catch-ups, 16-token steps
+    assert draft.cache.layout.slab == both_slabs_bytes(draft.slabs)
+    assert draft.cache.both_slabs and not draft.cache.recycles(1)  # no pools off CUDA
+    assert 0 <= estimate - pinned < ALIGN * len(host.tensors()), (estimate, pinned)
 
 
 def test_the_page_cost_is_the_mean_over_whole_residency_steps(model, host):

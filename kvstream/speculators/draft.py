@@ -30,11 +30,11 @@ import torch
 from kernels.decode_attention import MAX_N_Q
 
 from ..arena import ALIGN, Arena
-from ..cache_factory import paged_bytes, reserve_slab
+from ..cache_factory import paged_bytes, slabs_for
 from ..cuda_graph import GraphedModel, warm_widths
 from ..loader import open_gguf
 from ..model import Qwen, load_model
-from ..paged_cache import PagedCache
+from ..paged_cache import PagedCache, both_slabs_bytes
 from ..readback import Readback
 from ..sampling import Sampler, SamplingParams
 from ..tokenizer import gguf_metadata
@@ -100,7 +100,7 @@ class DraftModel(Speculator):
         self.sampler = Sampler(SamplingParams(**{**vars(params), "seed": params.seed + 1}), self.device)
         self.model: Qwen | None = None
         self.cache: PagedCache | None = None
-        self.slab: int | None = None
+        self.slabs: dict[str, int] | None = None  # its compute slabs (``_reserve``)
         self.fed: list[int] = []  # every token fed; the cache holds fed[base:]
         self.base = 0
         self.pinned_bytes = 0
@@ -112,24 +112,29 @@ class DraftModel(Speculator):
 
     def estimated_bytes(self) -> int:
         """What ``pin`` will take, before pinning (for ``arena.mib=auto``): weights with their
-        alignment, and the KV region with its compute slab."""
-        slab = self._reserve(self.host)
+        alignment, and the KV region with its compute slabs (measured here on CUDA, with the
+        weights on the device for the reserve passes; ``pin`` then uses the same numbers)."""
+        if self.slabs is None:
+            on_device = self.host.map_tensors(lambda name, t: t.to(self.device))
+            self.slabs = self._reserve(on_device)
+            del on_device
         return (self.host.nbytes + ALIGN * len(self.host.tensors())
-                + paged_bytes(self.host.cfg, self.type_k, self.type_v, self.kv_tokens, slab))
+                + paged_bytes(self.host.cfg, self.type_k, self.type_v, self.kv_tokens, both_slabs_bytes(self.slabs)))
 
-    def _reserve(self, model) -> int:
-        """The draft's compute slab: none on CUDA, where its passes (catch-up chunks and captured
-        steps in one cache phase) use torch's allocator, outside the arena (not yet measured); elsewhere
-        the bookkeeping of one catch-up chunk."""
-        return 0 if self.device.type == "cuda" else reserve_slab(model, self.chunk)
+    def _reserve(self, model) -> dict[str, int]:
+        """The draft's compute slabs (``reserve_slab``), side by side in its KV region: "prefill"
+        for catch-up chunks, "decode" for its steps of up to MAX_N_Q tokens and their captured
+        graphs, which stay while catch-up passes come and go (``PagedCache(both_slabs=True)``)."""
+        return slabs_for(model, self.chunk, MAX_N_Q, max_tokens=self.kv_tokens, type_k=self.type_k,
+                         type_v=self.type_v)
 
     def pin(self, arena: Arena) -> int:
         """Pin the weights and the draft KV into ``arena``'s pinned region; returns the bytes."""
         self._mark, before = arena.mark(), arena.pinned_bytes
         self.model = self.host.map_tensors(
             lambda name, t: arena.pin("draft." + name, tuple(t.shape), t.dtype).copy_(t, non_blocking=True))
-        if self.slab is None:
-            self.slab = self._reserve(self.model)
+        if self.slabs is None:
+            self.slabs = self._reserve(self.model)
         if self.graphs:
             # the same bytes at the same addresses as when its graphs were captured (an eject and
             # re-enable pin the same tensors from the same mark): they stay valid, and a re-enable
@@ -140,11 +145,12 @@ class DraftModel(Speculator):
             self._graphed.model = self.model
             self.model = self._graphed
         c = self.model.cfg
-        kv = arena.pin("draft.kv", (paged_bytes(c, self.type_k, self.type_v, self.kv_tokens, self.slab),), torch.uint8)
+        kv = arena.pin("draft.kv", (paged_bytes(c, self.type_k, self.type_v, self.kv_tokens,
+                                                both_slabs_bytes(self.slabs)),), torch.uint8)
         if self.cache is None:
             self.cache = PagedCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                     max_tokens=self.kv_tokens, type_k=self.type_k, type_v=self.type_v, mode="resident",
-                                    arena=Arena.over(kv), ring_pages=0, slabs={"prefill": self.slab})
+                                    arena=Arena.over(kv), ring_pages=0, slabs=self.slabs, both_slabs=True)
         else:
             self.cache.move_to(Arena.over(kv))
         self.pinned_bytes = arena.pinned_bytes - before
@@ -153,8 +159,9 @@ class DraftModel(Speculator):
 
     def eject(self, arena: Arena) -> int:
         """Give the pinned bytes back; the draft KV stays on the host. Returns the bytes freed.
-        The captured graphs stay (their buffers are outside the arena, in their own pool): a
-        re-enable that pins the weights and KV at the same addresses replays them again."""
+        The captured graphs stay: their buffers are in the draft's step slab, which the target's
+        pages now overwrite, but a replay writes every buffer it reads, and none runs before a
+        re-enable pins the weights, KV and slabs at the same addresses again."""
         if self.cache is not None:
             self.cache.settle()  # its write-backs still read the bytes being given back
         self.model = None
