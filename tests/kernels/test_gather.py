@@ -70,3 +70,78 @@ def test_gather_past_2gib(t, big_pool, make_pool, device):
     got = gather(pool, ids, 700, fmt, torch.float32)
     want = reference.gather(pool[ids.long()].cpu(), torch.arange(3), 700, fmt, torch.float32)
     assert torch.equal(got.cpu(), want)
+
+
+# ---- launch candidates (gather.CANDIDATES, timed by bench_kernels.py --gather-sweep) ----------
+
+def _variants():
+    """Every candidate on CUDA. Under the interpreter (slow: ~25 ms a program), one per code path:
+    warps, stages, cache hints and tile sizes change no value there."""
+    from kernels.gather import CANDIDATES, LAUNCH, Launch
+    if torch.cuda.is_available():
+        return [n for n in CANDIDATES if CANDIDATES[n] != LAUNCH]
+    seen, names = {(1, False, False, False)}, []
+    for n, lc in CANDIDATES.items():
+        lc = Launch(*lc)
+        key = (lc.heads, lc.head_minor, lc.rows, lc.programs_per_sm > 0)
+        if key not in seen:
+            seen.add(key)
+            names.append(n)
+    return names
+
+
+VARIANT_CASES = [  # (type, head_dim, n_kv_heads, n_tokens, out dtype, page ids)
+    ("q8_0", 64, 2, 267, torch.float16, [2, 0]),  # past one page, a partial last tile
+    ("q4_0", 128, 2, 120, torch.float16, [2]),
+    ("f16", 64, 2, 40, torch.float32, [1]),
+]
+
+
+@pytest.mark.parametrize("name", _variants())
+def test_gather_variants_match_reference(name, make_pool, gen, device):
+    """Each candidate launch gives the default's bits (the reference's: one rounding)."""
+    from kernels.gather import CANDIDATES
+    for t, head_dim, n_kv_heads, n_tokens, dtype, pages in VARIANT_CASES:
+        fmt = PageFormat(t, n_kv_heads, head_dim)
+        pool = make_pool(fmt, 3)
+        ids = torch.tensor(pages, dtype=torch.int32, device=device)
+        got = gather(pool, ids, n_tokens, fmt, dtype, launch=CANDIDATES[name])
+        want = reference.gather(pool.cpu(), ids.cpu(), n_tokens, fmt, dtype)
+        assert torch.equal(got.cpu(), want), (name, t)
+
+
+def test_gather_variant_dtypes_heads_and_strided_out(make_pool, device):
+    """Other outputs of the natural-order path (q4_0 to fp32 / bf16), 4 or 2 of 4 heads per tile
+    in both tile orders, a persistent grid with fewer programs than tiles, a strided out view."""
+    from kernels.gather import Launch
+    fmt = PageFormat("q4_0", 4, 64)
+    pool = make_pool(fmt, 2)
+    ids = torch.tensor([1, 0], dtype=torch.int32, device=device)
+    for lc, dtype in ((Launch(8, 1, heads=0, rows=True), torch.float32),
+                      (Launch(16, 2, heads=2, rows=True, programs_per_sm=3, stages=2), torch.bfloat16),
+                      (Launch(16, 1, heads=2, head_minor=True), torch.float16)):
+        got = gather(pool, ids, 270, fmt, dtype, launch=lc).cpu()
+        want = reference.gather(pool.cpu(), ids.cpu(), 270, fmt, dtype)
+        if dtype == torch.bfloat16 and device.type == "cpu":  # the interpreter truncates to bf16
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(got, want), (lc, dtype)
+    fmt = PageFormat("q8_0", 2, 64)
+    pool = make_pool(fmt, 2)
+    kv = torch.zeros(264, 2, 2, 64, dtype=torch.float16, device=device)  # [T, K|V, H, D]
+    gather(pool, ids, 264, fmt, out=kv[:, 0], launch=Launch(8, 1, heads=0, rows=True))
+    assert torch.equal(kv[:, 0].cpu(), reference.gather(pool.cpu(), ids.cpu(), 264, fmt))
+    assert not kv[:, 1].any(), "only the out view may be written"
+
+
+def test_gather_rejects_bad_launch(device):
+    from kernels.gather import Launch
+    fmt = PageFormat("q8_0", 2, 64)
+    pool = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device=device)
+    ids = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="block_t must be a power of two"):
+        gather(pool, ids, 300, fmt, launch=(12, 1))
+    with pytest.raises(ValueError, match="heads must be a power of two dividing 2"):
+        gather(pool, ids, 300, fmt, launch=Launch(8, 1, heads=3, rows=True))
+    with pytest.raises(ValueError, match="programs_per_sm needs rows"):
+        gather(pool, ids, 300, fmt, launch=Launch(8, 1, programs_per_sm=4))
