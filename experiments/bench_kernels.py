@@ -21,7 +21,6 @@ bench_kernels.png and command.txt (the command, with provenance). Prints a short
     python experiments/bench_kernels.py --out results/kernels          # CUDA, ~5 min
     python experiments/bench_kernels.py --quick --out /tmp/bench       # CPU smoke (interpreter)
     python experiments/bench_kernels.py --sweep --out /tmp/sweep       # launch-table sweep
-    python experiments/bench_kernels.py --gather-sweep --out /tmp/gs   # gather candidates, < 1 min
 """
 from __future__ import annotations
 
@@ -49,20 +48,17 @@ def parse_args(argv=None):
     p.add_argument("--out", default="results/kernels", help="output folder")
     p.add_argument("--quick", action="store_true", help="tiny run; on CPU under TRITON_INTERPRET=1")
     p.add_argument("--sweep", action="store_true", help="time launch-table variants at 64K")
-    p.add_argument("--gather-sweep", action="store_true",
-                   help="time gather's launch candidates (gather.CANDIDATES) at 32K and 128K")
     p.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
     return p.parse_args(argv)
 
 
 ARGS = parse_args() if __name__ == "__main__" else None
-if ARGS is not None and (ARGS.quick or ARGS.gather_sweep) and not torch.cuda.is_available():
+if ARGS is not None and ARGS.quick and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is jitted
 
 import triton  # noqa: E402
 
 from kernels import decode_attention as da  # noqa: E402
-from kernels import gather as ga  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
 from kernels.formats import PAGE_TOKENS, PageFormat  # noqa: E402
 from kernels.gather import gather  # noqa: E402
@@ -275,86 +271,6 @@ def sweep(gen, ceil, rows):
             da.use_asm = saved[1]
 
 
-# ---- gather launch candidates ------------------------------------------------------------------
-
-GATHER_SWEEP_CONTEXTS = [32768, 131072]
-
-
-def gather_sweep(gen, ceil, rows, contexts=None):
-    """Time every ``gather.CANDIDATES`` launch (the current one first and again last, to show
-    drift) on the same pages, per type and context, and torch's own kernels with the byte mixes
-    of the types, all in one CUDA graph per case as ``bench_gather``. ``identical``: the
-    candidate's output of the first set equals the current launch's bit for bit."""
-    contexts = contexts or GATHER_SWEEP_CONTEXTS
-    variants = list(ga.CANDIDATES.items()) + [("current_again", ga.CANDIDATES["current"])]
-    for L in contexts:
-        out_bytes = L * N_KV_HEADS * HEAD_DIM * 2
-        for t in ("q8_0", "q4_0", "f16"):
-            fmt = PageFormat(t, N_KV_HEADS, HEAD_DIM)
-            pages = -(-L // PAGE_TOKENS)
-            sets = n_sets(L * fmt.row_bytes + out_bytes)
-            pool = random_pool(fmt, sets * pages, gen)
-            perm = torch.randperm(sets * pages, device=DEV, generator=gen).int()
-            tables = [perm[i * pages:(i + 1) * pages].contiguous() for i in range(sets)]
-            outs = [torch.empty(L, N_KV_HEADS, HEAD_DIM, dtype=torch.float16, device=DEV) for _ in range(sets)]
-            want = gather(pool, tables[0], L, fmt)
-            nbytes = L * fmt.row_bytes + out_bytes
-            for name, lc in variants:
-                row = dict(type=t, context=L, variant=name, launch=str(tuple(lc)), sets=sets, bytes=nbytes)
-                try:
-                    outs[0].fill_(float("nan"))
-                    row["us"] = time_graph([(lambda i=i: gather(pool, tables[i], L, fmt, out=outs[i], launch=lc))
-                                            for i in range(sets)])
-                    row["identical"] = bool(torch.equal(outs[0], want))
-                except Exception as e:  # noqa: BLE001 - e.g. out of resources: the other rows still count
-                    row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-                _sweep_row(row, ceil, rows)
-            del pool, outs
-        # torch's copy / cast / fill kernels with gather's output size: read:write 1:1 (f16), 1:2
-        # (q8_0 reads 272 bytes a token for 512 written), 1:4 (q4_0 144), write only
-        for name, src_dtype in (("torch_copy_f16", torch.float16), ("torch_cast_i8_f16", torch.int8),
-                                ("torch_cast_i8_f32", torch.int8), ("torch_fill_f16", None)):
-            dst_dtype = torch.float32 if name.endswith("f32") else torch.float16
-            n = out_bytes // dst_dtype.itemsize
-            read = 0 if src_dtype is None else n * src_dtype.itemsize
-            sets = n_sets(read + out_bytes)
-            dst = [torch.empty(n, dtype=dst_dtype, device=DEV) for _ in range(sets)]
-            if src_dtype is None:
-                calls = [(lambda i=i: dst[i].fill_(1.0)) for i in range(sets)]
-            else:
-                src = [torch.randint(1, 100, (n,), dtype=src_dtype, device=DEV, generator=gen) for _ in range(sets)]
-                calls = [(lambda i=i: dst[i].copy_(src[i])) for i in range(sets)]
-            _sweep_row(dict(type="torch", context=L, variant=name, sets=sets, bytes=read + out_bytes,
-                            us=time_graph(calls)), ceil, rows)
-            del dst, calls
-
-
-def gather_sweep_summary(df, ceil):
-    """Per type and context: the current launch (first and last run), the 3 fastest, torch's kernels."""
-    print(f"\ncopy ceiling {ceil['copy_gbps']:.0f} GB/s")
-    timed = df[df.us.notna()]
-    for (t, L), g in timed.groupby(["type", "context"], sort=False):
-        g = g.sort_values("us")
-        best = ", ".join(f"{r.variant} {100 * r.frac_copy:.1f}%" for r in g.head(3 if t != "torch" else 9).itertuples())
-        cur = g[g.variant.isin(["current", "current_again"])].frac_copy
-        head = "" if t == "torch" else f"current {100 * cur.min():.1f}-{100 * cur.max():.1f}%, best "
-        print(f"{t:5} {L:>6}: {head}{best}")
-    bad = df[df.identical == False] if "identical" in df else df.iloc[:0]  # noqa: E712 - NaN for torch rows
-    if len(bad):
-        print("NOT IDENTICAL to the current launch:", bad[["type", "context", "variant"]].to_dict("records"))
-    if "error" in df and df.error.notna().any():
-        print("errors:", df[df.error.notna()][["type", "context", "variant", "error"]].to_dict("records"))
-
-
-def _sweep_row(row, ceil, rows):
-    if "us" in row:
-        row["gbps"] = row["bytes"] / row["us"] / 1e3
-        row["frac_copy"] = row["gbps"] / ceil["copy_gbps"]
-    rows.append(row)
-    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-           if k in ("type", "context", "variant", "us", "frac_copy", "identical", "error")}, flush=True)
-
-
 # ---- reporting ---------------------------------------------------------------------------
 
 def asm_stats() -> list[dict]:
@@ -362,8 +278,7 @@ def asm_stats() -> list[dict]:
     from kernels import gather as g, store as st
     out = []
     for name, fn in [("decode", da._decode_attention_kernel), ("merge", da._merge_kernel),
-                     ("gather", g._gather_kernel), ("gather_var", g._gather_var_kernel),
-                     ("store", st._store_kernel)]:
+                     ("gather", g._gather_kernel), ("store", st._store_kernel)]:
         for caches in getattr(fn, "device_caches", {}).values():
             cache = caches[0] if isinstance(caches, tuple) else caches
             for k in getattr(cache, "values", lambda: [])():
@@ -460,20 +375,6 @@ def main(args) -> None:
     n_qs = [1, 2] if args.quick else [1, 6]
     ceil = ceilings()
     prov = provenance()
-    if args.gather_sweep:
-        rows = []
-        gather_sweep(gen, ceil, rows, args.contexts or ([40] if not CUDA else None))  # CPU: a smoke run
-        cols = ["type", "context", "variant", "us", "gbps", "frac_copy", "launch", "identical", "sets",
-                "bytes", "error"]
-        df = pd.DataFrame(rows)
-        df = df.reindex(columns=[c for c in cols if c in df.columns] + [c for c in df.columns if c not in cols])
-        df.assign(copy_gbps=ceil["copy_gbps"], **prov).to_csv(os.path.join(args.out, "gather_sweep.csv"),
-                                                               index=False)
-        pd.DataFrame(asm_stats()).to_csv(os.path.join(args.out, "asm.csv"), index=False)
-        with open(os.path.join(args.out, "command.txt"), "w") as f:
-            f.write("\n".join(f"{k}: {v}" for k, v in prov.items()) + "\n")
-        gather_sweep_summary(df, ceil)
-        return
     if args.sweep:
         rows = []
         sweep(gen, ceil, rows)

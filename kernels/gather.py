@@ -5,13 +5,9 @@ in fp16 / bf16 / fp32: token i is row i % 256 of page ``page_ids[i // 256]``. Va
 ``kernels.reference.gather`` exactly (dequantization is exact in fp32, then one rounding;
 on CUDA the fp16 output comes from a PTX bit trick that rounds once too). One program per
 (BLOCK_T tokens of a page, KV head) reads one contiguous run of quants and one of scales.
-``load_tile`` (the dequantizing tile load) is shared with decode attention. ``launch=``
-selects another program shape (``Launch``; ``CANDIDATES`` are timed by ``bench_kernels.py
---gather-sweep``), with the same output bits.
+``load_tile`` (the dequantizing tile load) is shared with decode attention.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -21,55 +17,11 @@ from kernels.formats import PAGE_TOKENS, PageFormat
 from kernels.store import check_pool
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-class Launch(NamedTuple):
-    """How ``gather`` launches. The defaults are ``_gather_kernel`` as tuned; any other value
-    runs ``_gather_var_kernel`` (candidates for ``experiments/bench_kernels.py --gather-sweep``).
-    A plain tuple is read as its leading fields."""
-
-    block_t: int = 8  # tokens per tile (a power of two dividing 256)
-    num_warps: int = 1
-    heads: int = 1  # KV heads per tile: 1, or 0 = all (each token's output is one contiguous run)
-    head_minor: bool = False  # neighbouring programs take one token tile's heads (_tile_of)
-    rows: bool = False  # natural element order, 8 per thread for the load and the store (see _rows_load)
-    programs_per_sm: int = 0  # > 0 (rows only): a persistent grid; each program loops over tiles
-    stages: int = 3  # persistent: the loop's num_stages (> 1: Triton prefetches tiles with cp.async)
-    stream: bool = False  # evict-first loads and streaming (.cs) stores: nothing is read twice
-
-
-# Swept on the H200 at 128K tokens, 2 KV heads x 128: many tiny programs win (more loads in
-# flight per SM): (8, 1) f16 84% / q8_0 81% / q4_0 79% of the copy ceiling, (16, 2) 73 / 79 /
-# 76%, (64, 4) 72 / 67 / 70%, (4, 1) 74 / 58 / 48%.
-LAUNCH = Launch(8, 1)
-# What ``bench_kernels.py --gather-sweep`` times against LAUNCH (issue 3: q8_0 79%, q4_0 78% of
-# the copy ceiling at 128K, goal 80%). Names: "h2" both KV heads per tile (a token's 512-byte
-# output row in one program; LAUNCH's grid writes every token's head-0 half before any head-1
-# half), "minor" head_minor, "rows" natural order (no register shuffle between load and store:
-# sm_90 SASS, triton 3.6, per 8 x 128 tile: q8_0 197 -> 143 instructions, q4_0 202 -> 164, 40 ->
-# 29 registers), "tN_wM" BLOCK_T N with M warps, "pN_sK" persistent with N programs per SM and
-# num_stages K (K > 1: cp.async prefetch), "stream" evict-first loads and .cs stores.
-CANDIDATES = {
-    "current": LAUNCH,
-    "minor": Launch(8, 1, head_minor=True),
-    "stream": Launch(8, 1, stream=True),
-    "h2": Launch(8, 1, heads=0),
-    "rows": Launch(8, 1, rows=True),
-    "rows_minor": Launch(8, 1, head_minor=True, rows=True),
-    "rows_t16_w2": Launch(16, 2, rows=True),
-    "rows_t32_w4": Launch(32, 4, rows=True),
-    "rows_h2": Launch(8, 1, heads=0, rows=True),
-    "rows_h2_t4": Launch(4, 1, heads=0, rows=True),
-    "rows_h2_t16_w2": Launch(16, 2, heads=0, rows=True),
-    "rows_h2_t32_w4": Launch(32, 4, heads=0, rows=True),
-    "rows_h2_stream": Launch(8, 1, heads=0, rows=True, stream=True),
-    "rows_h2_t16_w2_stream": Launch(16, 2, heads=0, rows=True, stream=True),
-    "rows_minor_p24_s3": Launch(8, 1, head_minor=True, rows=True, programs_per_sm=24, stages=3),
-    "rows_h2_p16_s1": Launch(8, 1, heads=0, rows=True, programs_per_sm=16, stages=1),
-    "rows_h2_p16_s3": Launch(8, 1, heads=0, rows=True, programs_per_sm=16, stages=3),
-    "rows_h2_p8_s4": Launch(8, 1, heads=0, rows=True, programs_per_sm=8, stages=4),
-    "rows_h2_t32_w4_p4_s3": Launch(32, 4, heads=0, rows=True, programs_per_sm=4, stages=3),
-}
+# (BLOCK_T tokens per program, num_warps). Swept on the H200 at 128K tokens, 2 KV heads x 128:
+# many tiny programs win (more loads in flight per SM): (8, 1) f16 84% / q8_0 81% / q4_0 79%
+# of the copy ceiling, (16, 2) 73 / 79 / 76%, (64, 4) 72 / 67 / 70%, (4, 1) 74 / 58 / 48%
+# (head-major grid). Heads minor, (8, 1): 87.5 / 83.3 / 81.6% (results/kernels/variants/gather_sweep).
+LAUNCH = (8, 1)
 
 
 def use_asm(device: torch.device) -> bool:
@@ -91,13 +43,6 @@ lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; lop3.b32 b, b, 0x000F000F, 0x640064
 sub.rn.f16x2 a, a, c; sub.rn.f16x2 b, b, c; mul.rn.f16x2 $0, a, $3; mul.rn.f16x2 $1, b, $4; }"""
 _ASM_Q4_LO = tl.constexpr(_ASM_Q4.replace("SHIFT", ""))
 _ASM_Q4_HI = tl.constexpr(_ASM_Q4.replace("SHIFT", "shr.b32 a, a, 4; shr.b32 b, b, 4;"))
-# q4_0 in natural order: $3 holds 4 shift bytes, 0 (low nibbles) or 4 (high), the same for the
-# 4 elements; the word is shifted before the PRMT, whose 0x0F mask drops the neighbour's bits.
-_ASM_Q4_SH = tl.constexpr("""{ .reg .b32 z, a, b, c, s, w;
-mov.b32 z, 0; mov.b32 c, 0x64086408; and.b32 s, $3, 7; shr.b32 w, $2, s;
-prmt.b32 a, w, z, 0x4140; prmt.b32 b, w, z, 0x4342;
-lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA;
-sub.rn.f16x2 a, a, c; sub.rn.f16x2 b, b, c; mul.rn.f16x2 $0, a, $4; mul.rn.f16x2 $1, b, $5; }""")
 _ASM_Q8 = tl.constexpr(_ASM_Q8)
 
 
@@ -223,10 +168,14 @@ def _gather_kernel(
     PAGE_BYTES: tl.constexpr,
     SCALE_OFF: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    N_KV_HEADS: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    i_t = tl.program_id(0)
-    i_h = tl.program_id(1)
+    # one grid axis, heads minor: neighbouring programs write one token tile's heads, so each
+    # output row is written whole while it is in flight (head-major: 0-3 points of the copy
+    # ceiling slower at 128K, results/kernels/variants/gather_sweep)
+    i_t = tl.program_id(0) // N_KV_HEADS
+    i_h = tl.program_id(0) % N_KV_HEADS
     TPP: tl.constexpr = 256 // BLOCK_T
     page = tl.load(page_ids + i_t // TPP).to(tl.int64)
     o_t = tl.arange(0, BLOCK_T)
@@ -242,166 +191,10 @@ def _gather_kernel(
     tl.store(p_o + 16, tl.reshape(b_hi, (BLOCK_T, NB, 16)), mask=m_o)
 
 
-# ---- candidate launches (Launch fields other than the defaults) ------------------------------
-# A tile is BLOCK_T tokens of one page x HEADS KV heads: R = BLOCK_T * HEADS rows, token-major
-# (row r is token r // HEADS, head r % HEADS), so with all heads a tile's output is one run.
-
-
-@triton.jit
-def _tile_of(tile, n_tokens, BLOCK_T: tl.constexpr, N_GROUPS: tl.constexpr, HEAD_MINOR: tl.constexpr):
-    """(token tile, head group) of tile number ``tile``. HEAD_MINOR: a token tile's head groups
-    are neighbours, so neighbouring programs write one token's output row; else the order of
-    ``_gather_kernel``'s grid (all token tiles of head group 0 first)."""
-    if HEAD_MINOR or N_GROUPS == 1:
-        return tile // N_GROUPS, tile % N_GROUPS
-    n_tt = tl.cdiv(n_tokens, BLOCK_T)
-    return tile % n_tt, tile // n_tt
-
-
-@triton.jit
-def _tile_rows(i_t, grp, n_tokens, BLOCK_T: tl.constexpr, HEADS: tl.constexpr):
-    """(token in the tile, head, row in the page, in range) of each of the tile's rows."""
-    o_r = tl.arange(0, BLOCK_T * HEADS)
-    t = o_r // HEADS
-    h = grp * HEADS + o_r % HEADS
-    row = h * 256 + (i_t % (256 // BLOCK_T)) * BLOCK_T + t  # int32: offsets inside a page
-    return t, h, row, i_t * BLOCK_T + t < n_tokens
-
-
-@triton.jit
-def _rows_load(pool, page, row, m_r, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_BYTES: tl.constexpr,
-               SCALE_OFF: tl.constexpr, STREAM: tl.constexpr):
-    """Raw tile in natural element order: quants [R, NB, 32] (uint8, or the fp16 values of an
-    f16 page) and scales [R, NB, 1]. The quant offsets are written so that their proven
-    contiguity is 8: Triton then gives the load and the fp16 store one layout (8 elements per
-    thread) where a 16-byte load (16 per thread) needs a register shuffle before the store."""
-    NB: tl.constexpr = HEAD_DIM // 32
-    EVICT: tl.constexpr = "evict_first" if STREAM else ""
-    o_b = tl.arange(0, NB)[None, :, None]
-    o_e = tl.arange(0, 32)[None, None, :]
-    m_e = m_r[:, None, None] & (o_b >= 0) & (o_e >= 0)
-    p_page = pool + page * PAGE_BYTES
-    if FMT == 0:
-        p_e = p_page.to(tl.pointer_type(tl.float16)) + row[:, None, None] * HEAD_DIM + o_b * 32 + o_e
-        b_q = tl.load(p_e, mask=m_e, other=0.0, eviction_policy=EVICT)
-        b_s = tl.zeros_like(row[:, None, None] * o_b).to(tl.float16)  # unused
-    else:
-        if FMT == 1:  # q8_0: element e of a block at byte e
-            o_q = o_b * 32 + (o_e // 8) * 8 + o_e % 8
-            p_q = p_page + row[:, None, None] * HEAD_DIM + o_q
-        else:  # q4_0: element e at byte e % 16 of the block (low nibble for e < 16)
-            o_q = o_b * 16 + (o_e // 8 % 2) * 8 + o_e % 8
-            p_q = p_page + row[:, None, None] * (HEAD_DIM // 2) + o_q
-        b_q = tl.load(p_q, mask=m_e, other=0, eviction_policy=EVICT)
-        p_s = (p_page + SCALE_OFF).to(tl.pointer_type(tl.float16)) + row[:, None, None] * NB + o_b
-        b_s = tl.load(p_s, mask=m_r[:, None, None] & (o_b >= 0), other=0.0, eviction_policy=EVICT)
-    return b_q, b_s
-
-
-@triton.jit
-def _rows_store(out, b_q, b_s, i_t, t, h, m_r, stride_on, stride_oh, FMT: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, ASM: tl.constexpr, STREAM: tl.constexpr):
-    """Dequantize a ``_rows_load`` tile (one rounding, as ``_dequant``) and store it."""
-    NB: tl.constexpr = HEAD_DIM // 32
-    OUT_DTYPE: tl.constexpr = out.dtype.element_ty
-    o_b = tl.arange(0, NB)[None, :, None]
-    o_e = tl.arange(0, 32)[None, None, :]
-    if FMT == 0:
-        b_x = b_q.to(OUT_DTYPE)
-    elif FMT == 1:
-        b_x = _dequant(b_q, b_s, 1, OUT_DTYPE, ASM)
-    else:
-        b_sh = tl.broadcast_to((o_e // 16 * 4).to(tl.uint8), b_q.shape)  # high nibbles for e >= 16
-        if ASM and OUT_DTYPE == tl.float16:
-            b_x = tl.inline_asm_elementwise(_ASM_Q4_SH, "=r,=r,r,r,r,r", [b_q, b_sh, b_s], dtype=tl.float16,
-                                            is_pure=True, pack=4)
-        else:
-            b_x = _dequant(b_q >> b_sh, b_s, 2, OUT_DTYPE, ASM)
-    p_o = out + tl.cast(i_t * BLOCK_T, tl.int64) * stride_on  # int64: the output may pass 2^31 elements
-    p_o += t[:, None, None] * stride_on + h[:, None, None] * stride_oh + o_b * 32 + o_e
-    m_o = m_r[:, None, None] & (o_b >= 0) & (o_e >= 0)
-    if STREAM:
-        tl.store(p_o, b_x, mask=m_o, cache_modifier=".cs")
-    else:
-        tl.store(p_o, b_x, mask=m_o)
-
-
-@triton.jit(do_not_specialize=["n_tokens"], do_not_specialize_on_alignment=["page_ids"])
-def _gather_var_kernel(
-    pool, page_ids, out, n_tokens, stride_on, stride_oh,  # as _gather_kernel
-    FMT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE_BYTES: tl.constexpr,
-    SCALE_OFF: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    ASM: tl.constexpr,
-    HEADS: tl.constexpr,  # KV heads per tile
-    N_GROUPS: tl.constexpr,  # n_kv_heads // HEADS
-    HEAD_MINOR: tl.constexpr,  # tile order (_tile_of)
-    ROWS: tl.constexpr,  # natural order (_rows_load); else load_tile's halves, as _gather_kernel
-    STAGES: tl.constexpr,  # > 0: loop over tiles pid, pid + n_programs, ... with num_stages STAGES (ROWS only)
-    STREAM: tl.constexpr,
-):
-    """``_gather_kernel``'s candidates (``Launch``): one tile per program, or a persistent loop;
-    the same output bits."""
-    pid = tl.program_id(0)
-    TPP: tl.constexpr = 256 // BLOCK_T
-    if STAGES > 0:
-        n_tiles = tl.cdiv(n_tokens, BLOCK_T) * N_GROUPS
-        for tile in tl.range(pid, n_tiles, tl.num_programs(0), num_stages=STAGES):
-            i_t, grp = _tile_of(tile, n_tokens, BLOCK_T, N_GROUPS, HEAD_MINOR)
-            t, h, row, m_r = _tile_rows(i_t, grp, n_tokens, BLOCK_T, HEADS)
-            page = tl.load(page_ids + i_t // TPP).to(tl.int64)
-            b_q, b_s = _rows_load(pool, page, row, m_r, FMT, HEAD_DIM, PAGE_BYTES, SCALE_OFF, STREAM)
-            _rows_store(out, b_q, b_s, i_t, t, h, m_r, stride_on, stride_oh, FMT, HEAD_DIM, BLOCK_T, ASM, STREAM)
-    else:
-        i_t, grp = _tile_of(pid, n_tokens, BLOCK_T, N_GROUPS, HEAD_MINOR)
-        page = tl.load(page_ids + i_t // TPP).to(tl.int64)
-        if ROWS:
-            t, h, row, m_r = _tile_rows(i_t, grp, n_tokens, BLOCK_T, HEADS)
-            b_q, b_s = _rows_load(pool, page, row, m_r, FMT, HEAD_DIM, PAGE_BYTES, SCALE_OFF, STREAM)
-            _rows_store(out, b_q, b_s, i_t, t, h, m_r, stride_on, stride_oh, FMT, HEAD_DIM, BLOCK_T, ASM, STREAM)
-        else:  # _gather_kernel's body, once per head of the tile
-            NB: tl.constexpr = HEAD_DIM // 32
-            o_t = tl.arange(0, BLOCK_T)
-            m_t = i_t * BLOCK_T + o_t < n_tokens
-            o_e = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]  # [1, NB, 16]
-            m_o = m_t[:, None, None] & (o_e >= 0)
-            for j in tl.static_range(HEADS):
-                i_h = grp * HEADS + j
-                b_lo, b_hi = load_tile(pool, page, i_h * 256 + (i_t % TPP) * BLOCK_T, m_t, FMT, HEAD_DIM,
-                                       PAGE_BYTES, SCALE_OFF, BLOCK_T, out.dtype.element_ty, ASM)
-                p_o = out + (i_t * BLOCK_T).to(tl.int64) * stride_on
-                p_o += o_t[:, None, None] * stride_on + i_h * stride_oh + o_e
-                b_lo = tl.reshape(b_lo, (BLOCK_T, NB, 16))
-                b_hi = tl.reshape(b_hi, (BLOCK_T, NB, 16))
-                if STREAM:
-                    tl.store(p_o, b_lo, mask=m_o, cache_modifier=".cs")
-                    tl.store(p_o + 16, b_hi, mask=m_o, cache_modifier=".cs")
-                else:
-                    tl.store(p_o, b_lo, mask=m_o)
-                    tl.store(p_o + 16, b_hi, mask=m_o)
-
-
-_SMS: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors (1 off CUDA: the interpreter's persistent grid is programs_per_sm)."""
-    if device.type != "cuda":
-        return 1
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
-
-
 def gather(pool: torch.Tensor, page_ids: torch.Tensor, n_tokens: int, fmt: PageFormat,
-           dtype: torch.dtype = torch.float16, out: torch.Tensor | None = None,
-           launch: tuple | None = None) -> torch.Tensor:
+           dtype: torch.dtype = torch.float16, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize tokens [0, n_tokens) of the pages page_ids [>= cdiv(n_tokens, 256)] int32
-    into out [n_tokens, n_kv_heads, head_dim] (allocated in dtype when not given). launch: a
-    ``Launch`` (or a tuple of its leading fields), default ``LAUNCH``."""
+    into out [n_tokens, n_kv_heads, head_dim] (allocated in dtype when not given)."""
     check_pool(pool, fmt)
     n_pages = -(-n_tokens // PAGE_TOKENS)
     if page_ids.dtype != torch.int32 or page_ids.dim() != 1 or page_ids.shape[0] < n_pages \
@@ -421,24 +214,12 @@ def gather(pool: torch.Tensor, page_ids: torch.Tensor, n_tokens: int, fmt: PageF
                          f"{page_ids.device}, {out.device}")
     if n_tokens == 0:
         return out
-    lc = Launch(*(LAUNCH if launch is None else launch))
-    block_t, num_warps = lc.block_t, lc.num_warps
-    if block_t < 1 or PAGE_TOKENS % block_t or block_t & (block_t - 1):
-        raise ValueError(f"launch block_t must be a power of two dividing {PAGE_TOKENS}, got {block_t}")
-    heads = lc.heads or fmt.n_kv_heads
-    if fmt.n_kv_heads % heads or heads & (heads - 1) or (lc.programs_per_sm and not lc.rows):
-        raise ValueError(f"launch heads must be a power of two dividing {fmt.n_kv_heads} (or 0), and "
-                         f"programs_per_sm needs rows, got {lc}")
-    const = dict(FMT=fmt.kv_type.code, HEAD_DIM=fmt.head_dim, PAGE_BYTES=fmt.page_bytes,
-                 SCALE_OFF=fmt.scale_offset, BLOCK_T=block_t, ASM=use_asm(pool.device), num_warps=num_warps)
-    if lc[2:] == Launch()[2:] and heads == 1:  # the tuned kernel
-        grid = (triton.cdiv(n_tokens, block_t), fmt.n_kv_heads)
-        _gather_kernel[grid](pool, page_ids, out, n_tokens, out.stride(0), out.stride(1), **const)
-        return out
-    n_tiles = triton.cdiv(n_tokens, block_t) * (fmt.n_kv_heads // heads)
-    grid = (min(n_tiles, lc.programs_per_sm * _sm_count(pool.device)) if lc.programs_per_sm else n_tiles,)
-    _gather_var_kernel[grid](
-        pool, page_ids, out, n_tokens, out.stride(0), out.stride(1), HEADS=heads,
-        N_GROUPS=fmt.n_kv_heads // heads, HEAD_MINOR=bool(lc.head_minor), ROWS=bool(lc.rows),
-        STAGES=max(lc.stages, 1) if lc.programs_per_sm else 0, STREAM=bool(lc.stream), **const)
+    block_t, num_warps = LAUNCH
+    grid = (triton.cdiv(n_tokens, block_t) * fmt.n_kv_heads,)
+    _gather_kernel[grid](
+        pool, page_ids, out, n_tokens, out.stride(0), out.stride(1),
+        FMT=fmt.kv_type.code, HEAD_DIM=fmt.head_dim, PAGE_BYTES=fmt.page_bytes,
+        SCALE_OFF=fmt.scale_offset, BLOCK_T=block_t, N_KV_HEADS=fmt.n_kv_heads, ASM=use_asm(pool.device),
+        num_warps=num_warps,
+    )
     return out
