@@ -44,14 +44,16 @@ def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, rin
 
 
 def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k: str = "q8_0",
-                 type_v: str = "q4_0", ring_pages: int | None = None, all_logits: bool = False) -> int:
+                 type_v: str = "q4_0", ring_pages: int | None = None, all_logits: bool = False,
+                 step_logits: tuple[bool, ...] = (False, True)) -> int:
     """Bytes of compute buffers one forward pass of ``n_tokens`` needs (the phase's peak).
 
     On CUDA reserve passes measure it: the real forward pass through a one-layer scratch paged
     cache of the same page types and ring (``None``: automatic, one round) near the end of a
     ``max_tokens`` context, in a measuring pool: the segment bytes torch's allocator takes,
     its rounding included: what the slab pool will be asked for. A decode width
-    (``n_tokens <= MAX_N_Q``) stands for every width up to it, with their outputs kept. Elsewhere (the slab is bookkeeping there) it is the sum
+    (``n_tokens <= MAX_N_Q``) stands for every width up to it, with each ``all_logits`` value of
+    ``step_logits``, their outputs kept. Elsewhere (the slab is bookkeeping there) it is the sum
     of the largest live activations of one layer plus the last logits, from the shapes."""
     c = model.cfg
     if model.device.type == "cuda":
@@ -66,7 +68,7 @@ def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k:
         else:
             # decode: every width a captured step may have, both logits kinds, in one pool; each
             # output stays alive as a captured graph keeps its own
-            passes = [[(w, max_tokens, every) for w in range(1, n_tokens + 1) for every in (False, True)]]
+            passes = [[(w, max_tokens, every) for w in range(1, n_tokens + 1) for every in step_logits]]
         peak = 0
         for batch in passes:
             meter, outs = SlabPool(name="reserve pass"), []
@@ -102,12 +104,13 @@ def phase_slabs(cache: CacheConfig, model, max_tokens: int, prefill_chunk: int, 
 
 
 def slabs_for(model, prefill_chunk: int, verify_width: int, *, max_tokens: int, type_k: str, type_v: str,
-              ring_pages: int | None = 0, all_logits: bool = False) -> dict[str, int]:
+              ring_pages: int | None = 0, all_logits: bool = False,
+              step_logits: tuple[bool, ...] = (False, True)) -> dict[str, int]:
     """{"prefill": slab of ``prefill_chunk``-token passes, "decode": of passes up to
-    ``verify_width`` tokens}, through a paged cache of these page types and ring."""
+    ``verify_width`` tokens (``reserve_slab``)}, through a paged cache of these page types and ring."""
     kv = dict(max_tokens=max_tokens, type_k=type_k, type_v=type_v, ring_pages=ring_pages)
     slabs = {"prefill": reserve_slab(model, min(prefill_chunk, max_tokens), all_logits=all_logits, **kv),
-             "decode": reserve_slab(model, min(verify_width, max_tokens), **kv)}
+             "decode": reserve_slab(model, min(verify_width, max_tokens), step_logits=step_logits, **kv)}
     if model.device.type == "cuda":
         # prefill: a last partial chunk ends between the measured ends: one large segment more;
         # decode: a small segment for what a graph capture allocates beyond the eager passes

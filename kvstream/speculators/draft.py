@@ -125,8 +125,9 @@ class DraftModel(Speculator):
         """The draft's compute slabs (``reserve_slab``), side by side in its KV region: "prefill"
         for catch-up chunks, "decode" for its steps of up to MAX_N_Q tokens and their captured
         graphs, which stay while catch-up passes come and go (``PagedCache(both_slabs=True)``)."""
+        # its steps want the last logits only (every width's all-token logits: 136 vocabulary rows more)
         return slabs_for(model, self.chunk, MAX_N_Q, max_tokens=self.kv_tokens, type_k=self.type_k,
-                         type_v=self.type_v)
+                         type_v=self.type_v, step_logits=(False,))
 
     def pin(self, arena: Arena) -> int:
         """Pin the weights and the draft KV into ``arena``'s pinned region; returns the bytes."""
