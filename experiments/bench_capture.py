@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=int, default=5, help="tokens per step (1 + draft tokens)")
     ap.add_argument("--pages", type=int, default=4, help="page openings to decode across")
     ap.add_argument("--resident", type=int, default=26,
-                    help="resident pages per layer the arena holds (26: the 1.5B's beside the 0.5B draft in 1390 MiB)")
+                    help="resident pages per layer the arena holds (26: the 1.5B's beside the 0.5B draft in 1390 MiB, its compute slabs then outside)")
     ap.add_argument("--ring-pages", type=int, default=64)
     ap.add_argument("--residency-step", type=int, nargs="+", default=[1],
                     help="cache.residency_step; several: one decode each, in this process")

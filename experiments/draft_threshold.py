@@ -114,7 +114,8 @@ _MODELS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one
 ROW_COLUMNS = ("run_id", "study", "arm", "policy", "keep_pages", "spec_type", "context", "rep", "new_tokens",
                "decode_tok_s", "prefill_tok_s", "capacity_with_draft", "capacity_without_draft", "draft_mib", "ejects",
                "reenables", "transitions", "acceptance_rate", "draft_time_share", "speculators",
-               "synthetic_acceptance", "random_weights", "arena_mib", "arena_bytes", "beyond_arena_mib", "started_utc",
+               "synthetic_acceptance", "random_weights", "arena_mib", "arena_bytes", "beyond_arena_mib",
+               "end_beyond_arena_mib", "started_utc",
                "sm_clock_mhz", "sm_clock_min_mhz", "model",
                "model_sha256", "draft_model", "device", "dtype", "prompt_sha1", "git_commit", "git_dirty",
                "device_name", "torch", "triton", "python", "config")
@@ -191,6 +192,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with ClockSampler(model.device) as clock:
         r = run_decode(run_cfg, model, tok, prompt, progress=cfg.progress)
+    held_end = None if held is None else torch.cuda.memory_reserved()  # the run's cache and draft still alive
     if clock.note and model.device.type == "cuda":
         print(f"[{cfg.study}] {clock.note}", flush=True)
     g, c = r.generation, r.control
@@ -216,6 +218,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
             resolve_model(run_cfg.model.source))),
         "arena_mib": run_cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
         "beyond_arena_mib": None if held is None else (torch.cuda.max_memory_reserved() - held - r.cache.arena.nbytes) / 2**20,
+        "end_beyond_arena_mib": None if held is None else (held_end - held - r.cache.arena.nbytes) / 2**20,
         "started_utc": started,  # with the clock: whether a slow cell's GPU ran slower, or beside what
         **{k: clock.summary()[k] for k in ("sm_clock_mhz", "sm_clock_min_mhz")},
         "model": run_cfg.model.source, "model_sha256": sha,
@@ -233,7 +236,9 @@ def run_cell(cfg: StudyConfig) -> dict | None:
 def _held_before(device: torch.device) -> int | None:
     """CUDA: what torch holds before a cell's run (the weights; the warm-up's freed blocks are
     given back first), the peak count restarted. The run's peak beyond this and its arena is
-    ``beyond_arena_mib``: a new stream's cuBLAS workspace, the logits handed to the sampler (the
+    ``beyond_arena_mib``: a new stream's cuBLAS workspace, the logits handed to the sampler, and the
+    setup's reserve passes, which measure the slabs in segments of their own before the arena's
+    slabs take over (transient); ``end_beyond_arena_mib``: what the run still holds at its end (the
     draft's compute buffers and captured graphs are in its slabs, inside the arena)."""
     if device.type != "cuda":
         return None
