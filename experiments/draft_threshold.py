@@ -189,10 +189,13 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         run_decode(replace(run_cfg, max_new_tokens=24), model, tok, prompt)
     print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep} ...", flush=True)
     held = _held_before(model.device)
+    free = torch.cuda.mem_get_info(model.device)[0] if held is not None else None
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with ClockSampler(model.device) as clock:
         r = run_decode(run_cfg, model, tok, prompt, progress=cfg.progress)
-    held_end = None if held is None else torch.cuda.memory_reserved()  # the run's cache and draft still alive
+    # the device's own count (torch's counts a slab pool's segments, which lie in the arena, twice),
+    # while the run's cache and draft are still alive
+    used = None if held is None else free - torch.cuda.mem_get_info(model.device)[0]
     if clock.note and model.device.type == "cuda":
         print(f"[{cfg.study}] {clock.note}", flush=True)
     g, c = r.generation, r.control
@@ -218,7 +221,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
             resolve_model(run_cfg.model.source))),
         "arena_mib": run_cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
         "beyond_arena_mib": None if held is None else (torch.cuda.max_memory_reserved() - held - r.cache.arena.nbytes) / 2**20,
-        "end_beyond_arena_mib": None if held is None else (held_end - held - r.cache.arena.nbytes) / 2**20,
+        "end_beyond_arena_mib": None if held is None else (used - r.cache.arena.nbytes) / 2**20,
         "started_utc": started,  # with the clock: whether a slow cell's GPU ran slower, or beside what
         **{k: clock.summary()[k] for k in ("sm_clock_mhz", "sm_clock_min_mhz")},
         "model": run_cfg.model.source, "model_sha256": sha,
@@ -236,10 +239,12 @@ def run_cell(cfg: StudyConfig) -> dict | None:
 def _held_before(device: torch.device) -> int | None:
     """CUDA: what torch holds before a cell's run (the weights; the warm-up's freed blocks are
     given back first), the peak count restarted. The run's peak beyond this and its arena is
-    ``beyond_arena_mib``: a new stream's cuBLAS workspace, the logits handed to the sampler, and the
-    setup's reserve passes, which measure the slabs in segments of their own before the arena's
-    slabs take over (transient); ``end_beyond_arena_mib``: what the run still holds at its end (the
-    draft's compute buffers and captured graphs are in its slabs, inside the arena)."""
+    ``beyond_arena_mib``, from torch's peak count: a new stream's cuBLAS workspace, the logits handed
+    to the sampler, the setup's reserve passes, which measure the slabs in segments of their own
+    (transient), and the slab pools' segments, which lie inside the arena but count as torch
+    segments too. ``end_beyond_arena_mib``, from the device's free memory (no double count): what
+    the run holds beyond its arena at its end (the draft's compute buffers and captured graphs are
+    in its slabs, inside the arena)."""
     if device.type != "cuda":
         return None
     gc.collect()
