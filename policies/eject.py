@@ -68,24 +68,29 @@ def _toward(snap: Snapshot, want_draft: bool) -> Action:
     return Action.REENABLE if want_draft else Action.EJECT
 
 
-@dataclass(frozen=True)
-class KeepPages:
-    """Keep the draft up to ``pages`` pages per layer, eject above (re-enable at or below)."""
-
-    pages: int
+class Threshold:
+    """Keep the draft up to ``threshold(snap)`` pages per layer, eject above (re-enable at or below)."""
 
     def threshold(self, snap: Snapshot) -> int:
-        return self.pages
+        raise NotImplementedError
 
     def decide(self, snap: Snapshot) -> Action:
         return _toward(snap, snap.pages_per_layer <= self.threshold(snap))
 
 
 @dataclass(frozen=True)
-class Onset(KeepPages):
-    """Eject at the streaming onset: when the working set exceeds the draft-active capacity."""
+class KeepPages(Threshold):
+    """A fixed threshold of ``pages`` pages per layer."""
 
-    pages: int = 0  # unused: the threshold is the snapshot's draft-active capacity
+    pages: int
+
+    def threshold(self, snap: Snapshot) -> int:
+        return self.pages
+
+
+@dataclass(frozen=True)
+class Onset(Threshold):
+    """Eject at the streaming onset: when the working set exceeds the draft-active capacity."""
 
     def threshold(self, snap: Snapshot) -> int:
         return snap.capacity_with_draft
@@ -112,7 +117,7 @@ class ReenablePages:
     """Re-enable only once the working set fits ``margin`` pages below the inner policy's
     threshold, so a context that hovers at the threshold does not flip every batch."""
 
-    inner: KeepPages
+    inner: Threshold
     margin: int = 8
 
     def decide(self, snap: Snapshot) -> Action:
@@ -239,7 +244,7 @@ def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_de
         raise ValueError(f"policy.eject=auto needs probe_pages >= 1, settle >= 1 and margin >= 0, got "
                          f"probe_pages={probe_pages}, settle={settle}, margin={margin}")
     policy = base[name]
-    if reenable_margin and isinstance(policy, KeepPages):
+    if reenable_margin and isinstance(policy, Threshold):
         policy = ReenablePages(policy, reenable_margin)
     if stable_decodes:
         policy = StableDecodes(policy, stable_decodes)
