@@ -239,12 +239,13 @@ def run_cell(cfg: StudyConfig) -> dict | None:
 def _held_before(device: torch.device) -> int | None:
     """CUDA: what torch holds before a cell's run (the weights; the warm-up's freed blocks are
     given back first), the peak count restarted. The run's peak beyond this and its arena is
-    ``beyond_arena_mib``, from torch's peak count: a new stream's cuBLAS workspace, the logits handed
-    to the sampler, the setup's reserve passes, which measure the slabs in segments of their own
+    ``beyond_arena_mib``, from torch's peak count: the logits handed to the sampler, the setup's reserve passes, which measure the slabs in segments of their own
     (transient), and the slab pools' segments, which lie inside the arena but count as torch
     segments too. ``end_beyond_arena_mib``, from the device's free memory (no double count): what
     the run holds beyond its arena at its end (the draft's compute buffers and captured graphs are
-    in its slabs, inside the arena)."""
+    in its slabs, inside the arena). Neither counts the cuBLAS workspaces of the streams that ran
+    matmuls (the compute stream and the one capture stream, ``cuda_graph.side_stream``): the
+    cell's warm-up made them, for the process's lifetime."""
     if device.type != "cuda":
         return None
     gc.collect()

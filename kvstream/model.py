@@ -83,9 +83,10 @@ class Qwen:
         pos = cache.begin(tokens.shape[0])
         with cache.compute():
             logits = self.body(tokens, pos, cache, all_logits)
+            pooled = cache.slab_pool is not None  # (the pool of this pass: asked before the commit)
         cache.commit()
         # a slab's buffers are the phase's: the caller keeps its own copy of the logits
-        return logits if cache.slab_pool is None else logits.clone()
+        return logits.clone() if pooled else logits
 
     def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
         """The device side of ``forward`` between ``cache.begin`` and ``cache.commit``: no host

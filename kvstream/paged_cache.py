@@ -209,18 +209,23 @@ class PagedCache(CacheBase):
             if pool is not None:
                 pool.pool = None  # its segments go before the arena's bytes can be reused
 
+    def _pool_for(self, n: int) -> SlabPool | None:
+        """The pool of a pass of ``n`` tokens (CUDA): the phase's slab, or with ``both_slabs`` the
+        decode slab for decode widths."""
+        phase, steps = self._pools
+        return steps if steps is not None and n <= MAX_N_Q else phase
+
     @property
     def slab_pool(self) -> SlabPool | None:
-        """Where the pass in progress (between ``begin`` and ``commit``) takes its device buffers
-        (CUDA): the phase's slab, or with ``both_slabs`` the decode slab for decode widths."""
-        phase, steps = self._pools
-        return steps if steps is not None and self._n <= MAX_N_Q else phase
+        """Where the pass in progress (between ``begin`` and ``commit``) takes its device buffers."""
+        return self._pool_for(self._n)
 
     def recycles(self, n: int) -> bool:
-        """A pass of ``n`` tokens starts on an empty pool: a prefill slab's (its sizes grow with
-        the prefix, see ``SlabPool.recycle``), which no captured graph can keep."""
-        phase, steps = self._pools
-        return phase is not None and self.phase == "prefill" and not (steps is not None and n <= MAX_N_Q)
+        """A pass of ``n`` tokens starts on an empty pool: a prefill slab's, or a ``both_slabs``
+        cache's catch-up slab (their sizes grow with the prefix, see ``SlabPool.recycle``), which
+        no captured graph can keep."""
+        pool = self._pool_for(n)
+        return pool is not None and pool is self._pools[0] and (self.phase == "prefill" or self.both_slabs)
 
     def compute(self):
         """A forward pass's device buffers come from the slab (CUDA)."""

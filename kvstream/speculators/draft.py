@@ -118,6 +118,8 @@ class DraftModel(Speculator):
             on_device = self.host.map_tensors(lambda name, t: t.to(self.device))
             self.slabs = self._reserve(on_device)
             del on_device
+            if self.device.type == "cuda":  # the copy's segments, or the process holds the weights twice
+                torch.cuda.empty_cache()
         return (self.host.nbytes + ALIGN * len(self.host.tensors())
                 + paged_bytes(self.host.cfg, self.type_k, self.type_v, self.kv_tokens, both_slabs_bytes(self.slabs)))
 
