@@ -223,7 +223,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "beyond_arena_mib": None if held is None else (torch.cuda.max_memory_reserved() - held - r.cache.arena.nbytes) / 2**20,
         "end_beyond_arena_mib": None if held is None else (used - r.cache.arena.nbytes) / 2**20,
         "started_utc": started,  # with the clock: whether a slow cell's GPU ran slower, or beside what
-        **{k: clock.summary()[k] for k in ("sm_clock_mhz", "sm_clock_min_mhz")},
+        **{k: v for k, v in clock.summary().items() if k in ("sm_clock_mhz", "sm_clock_min_mhz")},
         "model": run_cfg.model.source, "model_sha256": sha,
         "draft_model": run_cfg.spec.draft.source if c else None, "device": run_cfg.hardware.device,
         "dtype": run_cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],
@@ -239,9 +239,10 @@ def run_cell(cfg: StudyConfig) -> dict | None:
 def _held_before(device: torch.device) -> int | None:
     """CUDA: what torch holds before a cell's run (the weights; the warm-up's freed blocks are
     given back first), the peak count restarted. The run's peak beyond this and its arena is
-    ``beyond_arena_mib``, from torch's peak count: the logits handed to the sampler, the setup's reserve passes, which measure the slabs in segments of their own
-    (transient), and the slab pools' segments, which lie inside the arena but count as torch
-    segments too. ``end_beyond_arena_mib``, from the device's free memory (no double count): what
+    ``beyond_arena_mib``, from torch's peak count: the logits handed to the sampler, the setup's
+    reserve passes, which measure the slabs in segments of their own (transient), and the slab
+    pools' segments, which lie inside the arena but count as torch segments too.
+    ``end_beyond_arena_mib``, from the device's free memory (no double count): what
     the run holds beyond its arena at its end (the draft's compute buffers and captured graphs are
     in its slabs, inside the arena). Neither counts the cuBLAS workspaces of the streams that ran
     matmuls (the compute stream and the one capture stream, ``cuda_graph.side_stream``): the

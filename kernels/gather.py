@@ -172,7 +172,7 @@ def _gather_kernel(
     ASM: tl.constexpr,
 ):
     # one grid axis, heads minor: neighbouring programs write one token tile's heads, so each
-    # output row is written whole while it is in flight (head-major: 0-3 points of the copy
+    # output row is written whole while it is in flight (head-major: 2.5-3 points of the copy
     # ceiling slower at 128K, results/kernels/variants/gather_sweep)
     i_t = tl.program_id(0) // N_KV_HEADS
     i_h = tl.program_id(0) % N_KV_HEADS
