@@ -47,7 +47,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/kernels", help="output folder")
     p.add_argument("--quick", action="store_true", help="tiny run; on CPU under TRITON_INTERPRET=1")
-    p.add_argument("--sweep", action="store_true", help="time launch-table variants at 64K")
+    p.add_argument("--sweep", action="store_true",
+                   help="time decode's launch variants (SWEEP) at --contexts (default 32K, 64K, 128K)")
     p.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
     return p.parse_args(argv)
 
@@ -242,33 +243,43 @@ def bench_store(t, n, gen, rows):
 
 # ---- launch-table sweep -------------------------------------------------------------------
 
-def sweep(gen, ceil, rows):
-    """Time launch-table variants (BLOCK_N, num_warps, num_stages, programs per SM, PTX
-    dequantization) for q8_0/q4_0 and f16/f16 at 64K, n_q 1 and 6: edit the list to explore."""
-    L = 65536
-    saved = dict(da.LAUNCH), da.use_asm
-    variants = [(64, 2, 2, 4, True), (64, 2, 2, 8, True), (64, 2, 2, 16, True), (64, 1, 2, 8, True),
-                (64, 1, 2, 16, True), (32, 1, 2, 16, True), (128, 4, 2, 2, True), (64, 4, 2, 4, True),
-                (64, 4, 2, 8, True)]
-    for pair, n_q in itertools.product([("q8_0", "q4_0"), ("f16", "f16")], [1, 6]):
+# (n_q, variants) per LAUNCH row; each list starts and ends with the current launch (drift check).
+# Registers from experiments/kernel_sass.py (triton 3.6, sm_90, q8_0/q4_0): n_q 1 194 (current),
+# 142 with 32-key tiles, 140 with 4 warps, 102-116 with 8 / 4 warps and 32 keys; n_q 4 255
+# (current); n_q 6 248 (current), 185 with 64-key tiles. maxnreg caps them (spills shown there).
+SWEEP = [
+    (1, [da.Launch(64, 2, 2, 4), da.Launch(64, 2, 2, 6, 168), da.Launch(64, 2, 2, 8, 128),
+         da.Launch(32, 2, 2, 8), da.Launch(32, 2, 2, 8, 128), da.Launch(64, 4, 2, 4),
+         da.Launch(64, 4, 2, 4, 128), da.Launch(32, 4, 2, 8), da.Launch(64, 8, 2, 2),
+         da.Launch(64, 2, 2, 4)]),
+    (4, [da.Launch(64, 2, 2, 4), da.Launch(64, 4, 2, 4), da.Launch(64, 4, 2, 4, 128),
+         da.Launch(32, 2, 2, 8, 128), da.Launch(32, 4, 2, 8), da.Launch(64, 8, 2, 2),
+         da.Launch(64, 2, 2, 4)]),
+    (6, [da.Launch(128, 4, 2, 2), da.Launch(64, 4, 2, 3, 168), da.Launch(64, 4, 2, 2),
+         da.Launch(64, 4, 2, 4, 128), da.Launch(64, 8, 2, 2), da.Launch(128, 4, 2, 2)]),
+]
+
+
+def sweep(gen, ceil, rows, contexts, pairs=(("q8_0", "q4_0"),)):
+    """Time the SWEEP launch variants (edit it to explore) at each context, one process."""
+    saved = dict(da.LAUNCH)
+    for pair, (n_q, variants), L in itertools.product(pairs, SWEEP, contexts):
         block_m = da.block_rows(n_q, N_HEADS // N_KV_HEADS)
-        for bn, nw, ns, pps, asm in variants:
-            da.LAUNCH[block_m] = (bn, nw, ns, pps)
-            da.use_asm = (lambda d: d.type == "cuda") if asm else (lambda d: False)
+        for i, launch in enumerate(variants):
+            da.LAUNCH[block_m] = launch
             before = len(rows)
             try:
                 bench_decode(pair, L, [n_q], gen, ceil, {}, rows, baselines=False)
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                 rows.append(dict(k_type=pair[0], v_type=pair[1], context=L, n_q=n_q,
                                  error=f"{type(e).__name__}: {str(e)[:80]}"))
+            finally:
+                da.LAUNCH.clear()
+                da.LAUNCH.update(saved)
             for r in rows[before:]:
-                r.update(block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=pps, asm=asm)
-            print({k: rows[-1].get(k) for k in ("k_type", "v_type", "n_q", "block_n", "num_warps",
-                                                "num_stages", "programs_per_sm", "asm", "us_graph",
-                                                "frac_copy", "error")}, flush=True)
-            da.LAUNCH.clear()
-            da.LAUNCH.update(saved[0])
-            da.use_asm = saved[1]
+                r.update(launch._asdict(), variant=i)
+            print({k: rows[-1].get(k) for k in ("k_type", "v_type", "context", "n_q", *launch._fields,
+                                                "us_graph", "frac_copy", "error")}, flush=True)
 
 
 # ---- reporting ---------------------------------------------------------------------------
@@ -377,7 +388,7 @@ def main(args) -> None:
     prov = provenance()
     if args.sweep:
         rows = []
-        sweep(gen, ceil, rows)
+        sweep(gen, ceil, rows, args.contexts or [32768, 65536, 131072])
         pd.DataFrame(rows).assign(**prov).to_csv(os.path.join(args.out, "sweep.csv"), index=False)
         pd.DataFrame(asm_stats()).to_csv(os.path.join(args.out, "asm.csv"), index=False)
         return

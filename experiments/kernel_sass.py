@@ -43,11 +43,11 @@ def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
     kf, vf = PageFormat(pair[0], n_kv_heads, head_dim), PageFormat(pair[1], n_kv_heads, head_dim)
     gqa = n_heads // n_kv_heads
     block_m = da.block_rows(n_q, gqa)
-    block_n, num_warps, num_stages, _ = da.LAUNCH[block_m]
+    launch = da.LAUNCH[block_m]
     const = dict(N_Q=n_q, GQA=gqa, N_HEADS=n_heads, HEAD_DIM=head_dim, K_FMT=kf.kv_type.code,
                  K_PAGE_BYTES=kf.page_bytes, K_SCALE_OFF=kf.scale_offset, V_FMT=vf.kv_type.code,
                  V_PAGE_BYTES=vf.page_bytes, V_SCALE_OFF=vf.scale_offset, BLOCK_M=block_m,
-                 BLOCK_N=block_n, HAS_START=False, HAS_END=False, WRITE_OUT=False, ASM=True)
+                 BLOCK_N=launch.block_n, HAS_START=False, HAS_END=False, WRITE_OUT=False, ASM=True)
     kern = da._decode_attention_kernel
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(kern.params):
@@ -59,7 +59,8 @@ def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
+                                       maxnreg=launch.maxnreg))
 
 
 def _tool(name: str) -> str:

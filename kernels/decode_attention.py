@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -59,7 +60,18 @@ MERGE_BLOCK_S, MERGE_BLOCK_S_FEW, MERGE_BLOCK_D = 256, 512, 32
 # multi-round step in mid-decode: 2.3-2.5 s (results/draft_threshold_h200_final4/README.md). They
 # are scalar loads and small stores; part_acc's rows are always 16-byte multiples and stay specialized.
 UNALIGNED = ["page_table", "p_len", "p_start", "p_end", "part_m", "part_l"]
-LAUNCH = {16: (64, 2, 2, 4), 32: (64, 2, 2, 4), 64: (128, 4, 2, 2), 128: (64, 8, 2, 2)}
+
+
+class Launch(NamedTuple):
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # what the split count aims for
+    maxnreg: int | None = None  # registers per thread cap (more programs resident per SM)
+
+
+LAUNCH = {16: Launch(64, 2, 2, 4), 32: Launch(64, 2, 2, 4), 64: Launch(128, 4, 2, 2),
+          128: Launch(64, 8, 2, 2)}
 
 
 @triton.jit(do_not_specialize=["n_splits"], do_not_specialize_on_alignment=UNALIGNED)
@@ -241,17 +253,17 @@ def block_rows(n_q: int, gqa: int) -> int:
 
 def splits_for(n_q: int, n_heads: int, n_kv_heads: int, max_keys: int, device: torch.device) -> int:
     """The split count ``decode_attention`` uses for ``max_keys`` keys (its launch table's tile)."""
-    block_n, _, _, programs_per_sm = LAUNCH[block_rows(n_q, n_heads // n_kv_heads)]
-    return num_splits(n_kv_heads, triton.cdiv(max_keys, block_n) + 1, device, programs_per_sm)
+    launch = LAUNCH[block_rows(n_q, n_heads // n_kv_heads)]
+    return num_splits(n_kv_heads, triton.cdiv(max_keys, launch.block_n) + 1, device, launch.programs_per_sm)
 
 
 def max_splits(n_q: int, n_heads: int, n_kv_heads: int, n_pages: int, calls: int, device: torch.device) -> int:
     """The most splits ``calls`` calls over contiguous page ranges of ``n_pages`` pages in all
     can take, each with ``splits_for`` its range: per call at most its tiles + 1 and at most the
     count that fills the GPU. A buffer of these rows holds every such plan's partials."""
-    block_n, _, _, programs_per_sm = LAUNCH[block_rows(n_q, n_heads // n_kv_heads)]
-    fill = num_splits(n_kv_heads, 1 << 30, device, programs_per_sm)
-    return max(1, min(calls * fill, n_pages * triton.cdiv(PAGE_TOKENS, block_n) + calls))
+    launch = LAUNCH[block_rows(n_q, n_heads // n_kv_heads)]
+    fill = num_splits(n_kv_heads, 1 << 30, device, launch.programs_per_sm)
+    return max(1, min(calls * fill, n_pages * triton.cdiv(PAGE_TOKENS, launch.block_n) + calls))
 
 
 def _device_scalar(x, device: torch.device, name: str) -> torch.Tensor:
@@ -305,7 +317,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                          f"range needs {end} ({-(-end // PAGE_TOKENS)} pages)")
     if isinstance(key_start, int) and isinstance(key_end, int):
         max_keys = min(max_keys, max(1, key_end - key_start))
-    block_n, num_warps, num_stages, programs_per_sm = LAUNCH[block_m]
+    launch = LAUNCH[block_m]
     if n_splits is None:
         n_splits = splits_for(n_q, n_heads, h, max_keys, dev)
     write_out = n_splits == 1 and not return_partials
@@ -337,10 +349,11 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         N_Q=n_q, GQA=gqa, N_HEADS=n_heads, HEAD_DIM=d,
         K_FMT=k_fmt.kv_type.code, K_PAGE_BYTES=k_fmt.page_bytes, K_SCALE_OFF=k_fmt.scale_offset,
         V_FMT=v_fmt.kv_type.code, V_PAGE_BYTES=v_fmt.page_bytes, V_SCALE_OFF=v_fmt.scale_offset,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=block_m, BLOCK_N=launch.block_n,
         HAS_START=key_start is not None, HAS_END=key_end is not None, WRITE_OUT=write_out,
         ASM=use_asm(dev),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}),
     )
     if return_partials:
         return part
