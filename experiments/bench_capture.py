@@ -30,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.draft_threshold import provenance
+from experiments.provenance import provenance
 from kvstream.arena import MIB
 from kvstream.cache_factory import make_cache, paged_bytes, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig

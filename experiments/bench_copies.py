@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pandas as pd
 import torch
 
 from experiments.bench_stream import QWEN15, pinned_ceiling
+from experiments.provenance import git_state
 from kernels.formats import PageFormat
 from kvstream.cudart import copy_rows
 
@@ -91,8 +91,8 @@ def main() -> None:
             rows.append(dict(pages_per_layer=S, way=way, ms=ms, bytes=nbytes, gbps=gbps, frac_of_pinned_ceiling=gbps / ceiling,
                              ring_mib=2 * G * S * (K_PAGE + V_PAGE) / 2**20, pinned_ceiling_gbps=ceiling))
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    df = pd.DataFrame(rows).assign(model=MODEL, gpu=torch.cuda.get_device_name(), commit=commit or "unknown",
+    commit, dirty = git_state()
+    df = pd.DataFrame(rows).assign(model=MODEL, gpu=torch.cuda.get_device_name(), commit=commit, dirty=dirty,
                                    command=" ".join(["python"] + sys.argv))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from experiments.provenance import git_state
 from kvstream.generate import generate
 from kvstream.loader import open_gguf
 from kvstream.model import load_model
@@ -68,11 +68,11 @@ def main() -> None:
             rows.append(dict(rep=rep, arm="kvstream", decode_tok_s=(n - 1) / g.stats.decode_s))
             rows.append(dict(rep=rep, arm="transformers", decode_tok_s=(n - 1) / hf_decode_s(hf, ids, n)))
             print(rows[-2], rows[-1], flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit, dirty = git_state()
     df = pd.DataFrame(rows).assign(
         model=args.model, prompt_tokens=len(prompt), new_tokens=n, threads=torch.get_num_threads(),
         torch=torch.__version__, transformers=transformers.__version__, cpu=platform.processor() or platform.machine(),
-        commit=commit, command=" ".join(["python"] + sys.argv),
+        commit=commit, dirty=dirty, command=" ".join(["python"] + sys.argv),
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.draft_threshold import provenance, review_prompt
+from experiments.draft_threshold import review_prompt
+from experiments.provenance import provenance
 from kvstream.config import ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware
 from kvstream.loader import is_skeleton, open_gguf
 from kvstream.model import load_model

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from experiments.provenance import git_state
 from kernels.formats import PageFormat
 from kvstream.arena import MIB
 from kvstream.cache_factory import make_cache, phase_slabs
@@ -232,9 +232,9 @@ def main() -> None:
             rows.append(r)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             del cache
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit, dirty = git_state()
     df = pd.DataFrame(rows).assign(model=MODEL, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                                   commit=commit or "unknown", command=" ".join(["python"] + sys.argv))
+                                   commit=commit, dirty=dirty, command=" ".join(["python"] + sys.argv))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "stream_decode.csv", index=False)

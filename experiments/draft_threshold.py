@@ -22,9 +22,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
-import platform
-import subprocess
 import sys
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -37,6 +34,7 @@ import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from experiments.provenance import provenance
 from kvstream.config import GenerateConfig, quote_free_text, to_typed
 from kvstream.gpu_clock import ClockSampler
 from kvstream.loader import is_skeleton, open_gguf
@@ -130,23 +128,6 @@ def _load(cfg: StudyConfig):
         _MODELS[key] = (load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device), Tokenizer.from_gguf(reader),
                         sha)
     return _MODELS[key]
-
-
-def provenance() -> dict:
-    """Commit, GPU and versions for a row. ``KVSTREAM_GIT_COMMIT`` names the commit of a copied
-    checkout whose git metadata is missing or stale (a remote GPU machine's copy of the tree): the
-    tree is then taken to be that commit, clean."""
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return ""
-    import triton
-    named = os.environ.get("KVSTREAM_GIT_COMMIT")
-    return {"git_commit": named or git("rev-parse", "HEAD") or "unknown",
-            "git_dirty": False if named else bool(git("status", "--porcelain")),
-            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
 
 
 def check_columns(runs: Path) -> None:

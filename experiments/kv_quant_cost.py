@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 from hydra import compose, initialize_config_module
 
+from experiments.provenance import git_state
 from kernels.formats import PageFormat
 from kvstream.arena import MIB
 from kvstream.cache_factory import reserve_slab
@@ -84,9 +84,9 @@ def main() -> None:
                      against="resident q8_0/q4_0", ppl=r["ppl"], ppl_err=r["ppl_err"], ppl_ratio=k["ppl_ratio"],
                      kld_mean=k["kld_mean"], kld_mean_err=k["kld_mean_err"], kld_median=k["kld_median"],
                      kld_99_9=k["kld_99.9"], kld_max=k["kld_max"], same_top1=k["same_top1"]))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit, dirty = git_state()
     df = pd.DataFrame(rows).assign(model=args.model, ctx=args.ctx, n_chunks=args.n_chunks, batch=args.batch,
-                                   commit=commit, command=" ".join(["python"] + sys.argv))
+                                   commit=commit, dirty=dirty, command=" ".join(["python"] + sys.argv))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "kv_quant_cost.csv", index=False)
