@@ -63,6 +63,7 @@ def test_kernel_matches_reference(case, make_pool, gen, device):
     got = decode_attention(q, k_pool, v_pool, table, L, kf, vf, n_splits=n_splits)
     want = reference.decode_attention(q.cpu(), k_pool.cpu(), v_pool.cpu(), table.cpu(), L, kf, vf)
     assert got.dtype == q.dtype and got.shape == q.shape
+    # fp16 rounding of q, K, V and p for tl.dot, of the output to q.dtype: see tolerance()
     torch.testing.assert_close(got.cpu().float(), want, rtol=0, atol=tolerance(v_pool, table, vf))
 
 
@@ -94,6 +95,7 @@ def test_visible_keys_exact(kt, L, n_q, key_start, key_end, n_splits, make_pool,
     for i in range(n_q):
         hi = min(ke, L - n_q + i + 1)  # keys [ks, hi) visible to query i
         want = v[ks:hi].mean(0) if hi > ks else torch.zeros_like(v[0])
+        # K rows all equal: weights exactly 1, fp32 summation order only (docstring)
         torch.testing.assert_close(got[i], want, rtol=0, atol=1e-5)
 
 
@@ -230,10 +232,30 @@ def test_decode_rejects_bad_inputs(device):
         (dict(n_splits=3, partials=reference.Partials(*(torch.empty(2, 2, 12, *d, device=device)
                                                          for d in ((), (), (64,))))),
          r"partials must be contiguous fp32 m, l \[>= 3, 2, 12\]"),
+        (dict(out=torch.empty(2, 12, 32, device=device)), r"out must be \[2, 12, 64\] in"),
+        (dict(out=torch.empty(2, 12, 128, device=device)[..., ::2]), r"out must be .* last dim contiguous"),
+        (dict(out=q.to(torch.int32)), r"out must be \[2, 12, 64\] in"),
+        (dict(page_table=table.to("meta")), "must share a device"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
             decode_attention(**ok(**kw))
+
+
+def test_merge_rejects_bad_partials(device):
+    part = lambda S, n_q=2, h=3, d=64, dt=torch.float32: reference.Partials(  # noqa: E731
+        torch.zeros(S, n_q, h, dtype=dt, device=device), torch.zeros(S, n_q, h, dtype=dt, device=device),
+        torch.zeros(S, n_q, h, d, dtype=dt, device=device))
+    bad = [
+        ((), {}, "merge needs at least one Partials"),
+        ((part(2, dt=torch.float16),), {}, r"partials must be fp32 m, l \[S, 2, 3\]"),
+        ((part(2), part(2, h=4)), {}, r"acc \[S, 2, 3, 64\], got .* \(2, 2, 4, 64\)"),
+        ((part(2),), dict(out=torch.empty(2, 3, 32, device=device)), r"out must be \[2, 3, 64\]"),
+        ((part(2),), dict(out=torch.empty(2, 3, 128, device=device)[..., ::2]), "last dim contiguous"),
+    ]
+    for args, kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            merge(*args, **kw)
 
 
 @pytest.mark.bigmem
@@ -248,6 +270,7 @@ def test_decode_past_2gib(t, big_pool, make_pool, gen, device):
     small = pool[table.long()].cpu()
     want = reference.decode_attention(q.cpu(), small, small, torch.arange(3, dtype=torch.int32),
                                       700, fmt, fmt)
+    # the same fp16 roundings as test_kernel_matches_reference (tolerance())
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=tolerance(small, torch.arange(3), fmt))
 
 
