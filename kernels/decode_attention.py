@@ -48,11 +48,13 @@ MERGE_BLOCK_S, MERGE_BLOCK_S_FEW, MERGE_BLOCK_D = 256, 512, 32
 # BLOCK_M (query rows per KV head, padded) -> (BLOCK_N keys per tile, num_warps, num_stages,
 # programs per SM that split-K aims for). Swept on the H200 (sm_90) at head_dim 128, 64K,
 # q8_0/q4_0 and f16/f16 (bench_kernels.py --sweep, kernels/NOTES.md). The kernel is bound by
-# issue latency (SMEM layout conversions, global loads), not DRAM: what helps is more
-# programs in flight with small register footprints. 16/32 rows: 2 warps, 64-key tiles,
+# its instruction count and their latency (dequantization, layout moves, global loads), not
+# DRAM. 16/32 rows: 2 warps, 64-key tiles,
 # ~4 programs per SM (f16 31 us vs 41 us with 4 warps; q8_0/q4_0 26.3 vs 26.6 us).
 # 64 rows: 128-key tiles and 4 warps keep wgmma tiles full (34.5 us vs 36.0 with 64 keys).
 # 128 rows (n_q * GQA > 64): 8 warps to hold the 128 x head_dim fp32 accumulator; not swept.
+# Capping registers (maxnreg 128: 16 warps per SM) gained at most 6-9% at 16 rows and nothing at
+# 32 / 64 rows, so no row caps them (results/kernels/variants/launch_regs).
 # Pointers whose offset follows the layer or the plan (a page-table row, a round's key scalars, a
 # round's rows of a shared partials buffer): Triton compiles one variant per 16-byte alignment of a
 # specialized pointer, so these are not specialized. Rows of max_pages int32 (max_pages % 4 != 0)
