@@ -358,10 +358,12 @@ def plot(dec, gat, path):
     for (kt, vt), g in dec[dec.n_q == 1].groupby(["k_type", "v_type"]):  # copy ceiling at the call's size
         s = g.sort_values("context")
         ax[0, 1].plot(s.context, s.sized_copy_gbps * s.frac_copy / s.gbps, ":", color="gray",
-                      label="copy of the same bytes" if kt == vt == "f16" else None)
+                      label="a copy of the same bytes (f16 top, q4_0/q4_0 bottom)" if kt == vt == "f16" else None)
     for t, g in gat.groupby("type"):
         s = g.sort_values("context")
-        ax[1, 1].plot(s.context, s.frac_copy, marker="o", label=f"gather {t} -> fp16")
+        line, = ax[1, 1].plot(s.context, s.frac_copy, marker="o", label=f"gather {t} -> fp16")
+        ax[1, 1].plot(s.context, s.sized_copy_gbps * s.frac_copy / s.gbps, ":", color=line.get_color(),
+                      label=f"a copy of the same bytes ({t})")
     titles = ["decode attention time (us, CUDA graph)", "decode: fraction of copy ceiling",
               "n_q=6 time / n_q=1 time", "gather: fraction of copy ceiling"]
     for a, title in zip(ax.flat, titles):
