@@ -21,6 +21,8 @@ CASES = [
     ("q4_0", "q4_0", 64, 2, 1, 2, 4000, 7, torch.float32),
     ("q8_0", "q8_0", 64, 1, 6, 16, 600, None, torch.float16),
     ("q8_0", "q4_0", 64, 2, 7, 6, 6, 1, torch.float16),
+    ("f16", "q4_0", 64, 2, 6, 2, 300, 2, torch.float16),  # f16 with a block type
+    ("q8_0", "f16", 128, 1, 6, 3, 520, None, torch.float32),
 ]
 
 
@@ -259,7 +261,7 @@ def test_merge_rejects_bad_partials(device):
 
 
 @pytest.mark.bigmem
-@pytest.mark.parametrize("t", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("t", ["f16", "q8_0", "q4_0"])
 def test_decode_past_2gib(t, big_pool, make_pool, gen, device):
     fmt = PageFormat(t, 1, 64)
     pool, ids = big_pool(fmt)  # one page table for K and V: both read this pool (K = V data)
