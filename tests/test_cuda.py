@@ -31,7 +31,8 @@ def test_cuda_logits_match_cpu(tiny):
         a = cpu(ids, cpu.new_cache(64), all_logits=True)
         b = gpu(ids.cuda(), gpu.new_cache(64), all_logits=True).cpu()
     # fp32 on both, but cuBLAS may use TF32-free but differently blocked sums: ulps of |logit|
-    assert (a - b).abs().max() <= 1e-3 * a.abs().max()
+    # (measured on the H200: 8.8e-7 of the largest, 2026-11-30; the CPU tests' 1e-4 holds)
+    assert (a - b).abs().max() <= 1e-4 * a.abs().max()
 
 
 def test_cuda_bf16_greedy_runs_and_is_deterministic(tiny):
@@ -57,8 +58,8 @@ def test_cuda_streaming_matches_resident(tmp_path):
     one = t.run(m, t.paged(m, "stream", mib=t.small_arena_mib(m, 6, 8), ring=8), toks)
     many = t.run(m, t.paged(m, "stream", mib=t.small_arena_mib(m, 6, 2), ring=2), toks)
     assert torch.equal(one, ref)
-    # several rounds: partials merged in another order (fp32 softmax sums)
-    assert (many - ref).abs().max() <= 1e-3 * ref.abs().max()
+    # several rounds: partials merged in another order (fp32 softmax sums; H200: 1.6e-6 of the largest)
+    assert (many - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
 def test_cuda_pinned_draft_is_lossless_and_cycles_leave_memory_flat(tmp_path):
@@ -207,7 +208,7 @@ def test_slow_ring_copies_and_reads_still_match_resident(tmp_path, monkeypatch, 
     if cache.stats.rounds == 1:
         assert torch.equal(eager, ref)
     else:
-        assert (eager - ref).abs().max() <= 1e-3 * ref.abs().max()
+        assert (eager - ref).abs().max() <= 1e-4 * ref.abs().max()  # merge order (H200: 2.6e-6)
 
 
 @pytest.mark.parametrize("eject", [False, True, "measure_plain"])
