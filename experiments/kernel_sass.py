@@ -47,7 +47,8 @@ def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
     const = dict(N_Q=n_q, GQA=gqa, N_HEADS=n_heads, HEAD_DIM=head_dim, K_FMT=kf.kv_type.code,
                  K_PAGE_BYTES=kf.page_bytes, K_SCALE_OFF=kf.scale_offset, V_FMT=vf.kv_type.code,
                  V_PAGE_BYTES=vf.page_bytes, V_SCALE_OFF=vf.scale_offset, BLOCK_M=block_m,
-                 BLOCK_N=launch.block_n, HAS_START=False, HAS_END=False, WRITE_OUT=False, ASM=True)
+                 BLOCK_N=launch.block_n, HAS_START=False, HAS_END=False, WRITE_OUT=False,
+                 ROUND=False, CARRY=False, ASM=True)
     kern = da._decode_attention_kernel
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(kern.params):

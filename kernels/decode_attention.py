@@ -110,6 +110,8 @@ def _decode_attention_kernel(
     HAS_START: tl.constexpr,
     HAS_END: tl.constexpr,
     WRITE_OUT: tl.constexpr,
+    ROUND: tl.constexpr,  # the splits of one call over [0, L); this call runs their tiles in [ks, ke)
+    CARRY: tl.constexpr,  # ROUND: start from the state the partials rows hold (an earlier round's)
     ASM: tl.constexpr,
 ):
     NB: tl.constexpr = HEAD_DIM // 32
@@ -128,11 +130,17 @@ def _decode_attention_kernel(
     ke = L
     if HAS_END:
         ke = tl.minimum(tl.load(p_end).to(tl.int32), L)
-    t_lo = ks // BLOCK_N
-    t_hi = tl.maximum((ke + BLOCK_N - 1) // BLOCK_N, t_lo)
-    per = (t_hi - t_lo + n_splits - 1) // n_splits
-    t0 = t_lo + i_s * per
-    t1 = tl.minimum(t0 + per, t_hi)
+    if ROUND:  # split i_s of one call over every key, restricted to this round's tiles
+        t_all = (L + BLOCK_N - 1) // BLOCK_N
+        per = (t_all + n_splits - 1) // n_splits
+        t0 = tl.maximum(i_s * per, ks // BLOCK_N)
+        t1 = tl.minimum(tl.minimum(i_s * per + per, t_all), (ke + BLOCK_N - 1) // BLOCK_N)
+    else:
+        t_lo = ks // BLOCK_N
+        t_hi = tl.maximum((ke + BLOCK_N - 1) // BLOCK_N, t_lo)
+        per = (t_hi - t_lo + n_splits - 1) // n_splits
+        t0 = t_lo + i_s * per
+        t1 = tl.minimum(t0 + per, t_hi)
 
     # rows: m = i_q * GQA + i_g  <->  query token i_q, query head i_h * GQA + i_g
     o_m = tl.arange(0, BLOCK_M)
@@ -149,10 +157,22 @@ def _decode_attention_kernel(
     b_q_hi = tl.reshape(tl.load(p_q + 16, mask=m_e, other=0.0).to(tl.float32) * sm_scale,
                         (BLOCK_M, HEAD_DIM // 2)).to(tl.float16)
 
-    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    b_l = tl.zeros([BLOCK_M], tl.float32)
-    b_acc_lo = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
-    b_acc_hi = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+    o_p = i_s * (N_Q * N_HEADS) + o_row  # [BLOCK_M] partial rows of this split
+    p_a = part_acc + o_p[:, None, None] * HEAD_DIM + o_e
+    # a round with no tile of this split leaves its state as it is (CARRY) or starts it (first round)
+    m_w = m_m
+    if CARRY:  # the state exactly as the last round left it: the same sums as one call's
+        m_w = m_m & (o_m * 0 + t0 < t1)
+        b_m = tl.load(part_m + o_p, mask=m_w, other=float("-inf"))
+        b_l = tl.load(part_l + o_p, mask=m_w, other=0.0)
+        m_a = m_w[:, None, None] & (o_e >= 0)
+        b_acc_lo = tl.reshape(tl.load(p_a, mask=m_a, other=0.0), (BLOCK_M, HEAD_DIM // 2))
+        b_acc_hi = tl.reshape(tl.load(p_a + 16, mask=m_a, other=0.0), (BLOCK_M, HEAD_DIM // 2))
+    else:
+        b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        b_l = tl.zeros([BLOCK_M], tl.float32)
+        b_acc_lo = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+        b_acc_hi = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     for i_t in range(t0, t1):
         page = tl.load(page_table + i_t // TPP).to(tl.int64)
         row0 = i_h * 256 + (i_t % TPP) * BLOCK_N
@@ -184,12 +204,11 @@ def _decode_attention_kernel(
         tl.store(p_o, b_o_lo.to(out.dtype.element_ty), mask=m_e)
         tl.store(p_o + 16, b_o_hi.to(out.dtype.element_ty), mask=m_e)
     else:
-        o_p = i_s * (N_Q * N_HEADS) + o_row  # [BLOCK_M] partial rows of this split
-        tl.store(part_m + o_p, b_m, mask=m_m)
-        tl.store(part_l + o_p, b_l, mask=m_m)
-        p_a = part_acc + o_p[:, None, None] * HEAD_DIM + o_e
-        tl.store(p_a, tl.reshape(b_acc_lo, (BLOCK_M, NB, 16)), mask=m_e)
-        tl.store(p_a + 16, tl.reshape(b_acc_hi, (BLOCK_M, NB, 16)), mask=m_e)
+        tl.store(part_m + o_p, b_m, mask=m_w)
+        tl.store(part_l + o_p, b_l, mask=m_w)
+        m_a = m_w[:, None, None] & (o_e >= 0)
+        tl.store(p_a, tl.reshape(b_acc_lo, (BLOCK_M, NB, 16)), mask=m_a)
+        tl.store(p_a + 16, tl.reshape(b_acc_hi, (BLOCK_M, NB, 16)), mask=m_a)
 
 
 @triton.jit(do_not_specialize=["n_splits"])
@@ -259,15 +278,6 @@ def splits_for(n_q: int, n_heads: int, n_kv_heads: int, max_keys: int, device: t
     return num_splits(n_kv_heads, triton.cdiv(max_keys, launch.block_n) + 1, device, launch.programs_per_sm)
 
 
-def max_splits(n_q: int, n_heads: int, n_kv_heads: int, n_pages: int, calls: int, device: torch.device) -> int:
-    """The most splits ``calls`` calls over contiguous page ranges of ``n_pages`` pages in all
-    can take, each with ``splits_for`` its range: per call at most its tiles + 1 and at most the
-    count that fills the GPU. A buffer of these rows holds every such plan's partials."""
-    launch = LAUNCH[block_rows(n_q, n_heads // n_kv_heads)]
-    fill = num_splits(n_kv_heads, 1 << 30, device, launch.programs_per_sm)
-    return max(1, min(calls * fill, n_pages * triton.cdiv(PAGE_TOKENS, launch.block_n) + calls))
-
-
 def _device_scalar(x, device: torch.device, name: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or x.dtype not in (torch.int32, torch.int64) or x.device != device:
@@ -281,12 +291,21 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      page_table: torch.Tensor, seq_len, k_fmt: PageFormat, v_fmt: PageFormat, *,
                      scale: float | None = None, key_start=None, key_end=None,
                      n_splits: int | None = None, return_partials: bool = False,
-                     out: torch.Tensor | None = None, partials: Partials | None = None):
+                     out: torch.Tensor | None = None, partials: Partials | None = None,
+                     carry: bool | None = None):
     """Attention of q [n_q, n_heads, head_dim] over paged K/V: out [n_q, n_heads, head_dim]
     in q.dtype, or its Partials ([n_splits, n_q, n_heads(, head_dim)] fp32) when
     return_partials. seq_len, key_start, key_end: int or 1-element int tensor on q's device.
     ``partials``: where the partials go (its first n_splits rows, returned as a view), e.g. one
-    buffer for several calls whose partials then merge without a copy."""
+    buffer for several calls whose partials then merge without a copy.
+
+    Rounds (``carry`` not None): a caller that reads the keys of [0, L) in rounds, contiguous
+    tile-aligned key ranges in increasing order (pages streamed through a ring), gets exactly
+    the one call's result. Each round runs that call's splits (``splits_for`` the whole table)
+    on its own tiles, each split continuing from the state an earlier round left in
+    ``partials`` (``carry=True``; the first round ``carry=False`` starts it): the same tiles in
+    the same order, the same sums. Earlier rounds return the state (``return_partials=True``);
+    the last one (``return_partials=False``) the output, bit-identical to one call's."""
     if q.dim() != 3 or q.dtype not in Q_DTYPES or q.stride(-1) != 1:
         raise ValueError(f"q must be [n_q, n_heads, head_dim] in {Q_DTYPES} with last dim "
                          f"contiguous, got {q.dtype} {tuple(q.shape)} stride {q.stride()}")
@@ -317,6 +336,10 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if end is not None and end > max_keys:
         raise ValueError(f"page_table [{page_table.shape[0]}] covers {max_keys} tokens, the key "
                          f"range needs {end} ({-(-end // PAGE_TOKENS)} pages)")
+    if carry is not None:  # rounds: the splits of one call over the whole table
+        if partials is None or n_splits is not None:
+            raise ValueError("rounds (carry=...) keep their state in partials= and take one call's split count")
+        n_splits = splits_for(n_q, n_heads, h, max_keys, dev)
     if isinstance(key_start, int) and isinstance(key_end, int):
         max_keys = min(max_keys, max(1, key_end - key_start))
     launch = LAUNCH[block_m]
@@ -353,7 +376,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         V_FMT=v_fmt.kv_type.code, V_PAGE_BYTES=v_fmt.page_bytes, V_SCALE_OFF=v_fmt.scale_offset,
         BLOCK_M=block_m, BLOCK_N=launch.block_n,
         HAS_START=key_start is not None, HAS_END=key_end is not None, WRITE_OUT=write_out,
-        ASM=use_asm(dev),
+        ROUND=carry is not None, CARRY=bool(carry), ASM=use_asm(dev),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
         **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}),
     )

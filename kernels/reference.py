@@ -136,23 +136,37 @@ def gather(pool, page_ids, n_tokens: int, fmt: PageFormat, dtype=torch.float16) 
 
 # ---- attention -------------------------------------------------------------------------
 
-def decode_attention_partials(q, k_pool, v_pool, page_table, seq_len, k_fmt: PageFormat,
-                              v_fmt: PageFormat, scale=None, key_start=None, key_end=None) -> Partials:
-    """One-split partials of q [n_q, n_heads, D] at positions [L - n_q, L) over the keys in
-    [key_start, min(key_end, L)); page_table[i] is the pool page of logical page i."""
+def _key_range(seq_len, key_start, key_end) -> tuple[int, int, int]:
     L = int(seq_len)
-    n_q, n_heads, D = q.shape
-    scale = 1 / math.sqrt(D) if scale is None else scale
-    ks = 0 if key_start is None else max(int(key_start), 0)
-    ke = L if key_end is None else min(int(key_end), L)
+    return L, 0 if key_start is None else max(int(key_start), 0), L if key_end is None else min(int(key_end), L)
+
+
+def range_kv(k_pool, v_pool, page_table, seq_len, k_fmt: PageFormat, v_fmt: PageFormat,
+             key_start=None, key_end=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(K, V, positions) fp32 of the whole pages that hold keys [key_start, min(key_end, L)),
+    V zero outside that range: what ``decode_attention_partials`` reads. Ranges on page
+    boundaries concatenate to the rows of their union."""
+    L, ks, ke = _key_range(seq_len, key_start, key_end)
     pg0, pg1 = ks // PAGE_TOKENS, max(-(-ke // PAGE_TOKENS), ks // PAGE_TOKENS)
     ids = page_table[pg0:pg1].long()
     k = dequantize_pages(k_pool, ids, k_fmt)  # [T, H, D], token pg0 * 256 + i
     v = dequantize_pages(v_pool, ids, v_fmt)
-    pos = pg0 * PAGE_TOKENS + torch.arange(k.shape[0], device=q.device)
+    pos = pg0 * PAGE_TOKENS + torch.arange(k.shape[0], device=k.device)
     # rows past the range are stale or never-written bytes (may decode to inf/NaN): 0 * NaN
     # would leak into acc, so they are zeroed, as the kernel's masked loads do
-    v = torch.where(((pos >= ks) & (pos < ke))[:, None, None], v, 0.0)
+    return k, torch.where(((pos >= ks) & (pos < ke))[:, None, None], v, 0.0), pos
+
+
+def decode_attention_partials(q, k_pool, v_pool, page_table, seq_len, k_fmt: PageFormat,
+                              v_fmt: PageFormat, scale=None, key_start=None, key_end=None,
+                              kv=None) -> Partials:
+    """One-split partials of q [n_q, n_heads, D] at positions [L - n_q, L) over the keys in
+    [key_start, min(key_end, L)); page_table[i] is the pool page of logical page i. ``kv``:
+    that range's ``range_kv``, when the caller has it (read in rounds)."""
+    L, ks, ke = _key_range(seq_len, key_start, key_end)
+    n_q, n_heads, D = q.shape
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    k, v, pos = kv if kv is not None else range_kv(k_pool, v_pool, page_table, L, k_fmt, v_fmt, ks, ke)
     gqa = n_heads // k_fmt.n_kv_heads
     k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)  # [T, n_heads, D]
     s = torch.einsum("qhd,thd->qht", q.float() * (scale * LOG2E), k)

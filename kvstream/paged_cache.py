@@ -29,7 +29,6 @@ import torch
 
 from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS, PageFormat
-from kernels.reference import Partials
 from policies.residency import NewestResident
 
 from .arena import ALIGN, Arena, ArenaTooSmall, Layout
@@ -528,35 +527,23 @@ class PagedCache(CacheBase):
         L = self.length + self._n
         if self._n > MAX_N_Q:
             return self._prefill_attention(layer, q, L)
-        parts, used = [], 0
-        # several rounds: their partials fill one buffer. Decoding, it is sized for any plan of this
-        # cache (the most rounds its ring allows), as the reserve pass measured it: a plan's own sizes
-        # would fall into other classes of the allocator's segments, and overrun the slab; and the
-        # last round's splits are sized to the table, so that they do not change with each page (a
-        # captured step keeps them). A short prefill chunk (no graphs; a slab with a margin) sizes
-        # both to the pages there are
-        pages = self.max_pages if self.phase == "decode" else self._n_pages
-        buf = None if len(self.rounds) == 1 else self.ops.partials_buffer(
-            q, self.k_fmt, pages, -(-pages // max(1, self.ring_pages // 2)))
+        # several rounds: one call's splits, each carried across the rounds in one state buffer (sized
+        # by the table: the same bytes whatever the plan, as the reserve pass measured them), so the
+        # output is the one call's, bit for bit
+        state = None if len(self.rounds) == 1 else self.ops.round_state(q, self.k_fmt, table)
         for r, (a, b, streamed) in enumerate(self.rounds):
             if streamed and not (self._wrap and layer < self.group and r == 0):  # wait for the ring's copy
                 self.copier.wait(self._half(layer, r))
-            if len(self.rounds) == 1:  # everything in one call: the resident-mode computation
+            if state is None:  # everything in one call: the resident-mode computation
                 out = self.ops.attention(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt, self.v_fmt)
             else:
                 start, end = self.round_keys[r]
-                parts.append(self.ops.partials(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt,
-                                               self.v_fmt, key_start=start, key_end=end,
-                                               max_keys=((b if r < len(self.rounds) - 1 else pages) - a)
-                                               * PAGE_TOKENS,
-                                               into=None if buf is None else Partials(*(x[used:] for x in buf))))
-                used += parts[-1].m.shape[0]
+                out = self.ops.attention_round(state, q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt,
+                                               self.v_fmt, start, end, first=r == 0, last=r == len(self.rounds) - 1)
             if streamed:
                 self.copier.release(self._half(layer, r))
             self._next_copy(layer, r)
-        if buf is not None:  # the rounds' partials side by side: merged as one
-            parts = [Partials(*(x[:used] for x in buf))]
-        return out if not parts else self.ops.merge(parts, q.dtype)
+        return out
 
     def _prefill_attention(self, layer: int, q: torch.Tensor, L: int) -> torch.Tensor:
         table = self.tables[layer]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.decode_attention import decode_attention, max_splits, merge, splits_for
+from kernels.decode_attention import decode_attention, merge, splits_for
 from kernels.formats import PAGE_TOKENS, PageFormat
 
 # (K type, V type, head_dim, n_kv_heads, GQA, n_q, L, n_splits, q dtype): every type pair,
@@ -276,20 +276,28 @@ def test_decode_past_2gib(t, big_pool, make_pool, gen, device):
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=tolerance(small, torch.arange(3), fmt))
 
 
-@pytest.mark.parametrize("n_sm", [4, 132])
-def test_max_splits_bounds_every_plan(n_sm, device, monkeypatch):
-    """A paged cache's rounds (contiguous page ranges, each with ``splits_for`` its keys) never
-    take more splits than ``max_splits`` for the pages and rounds in all: its buffer holds them.
-    The H200's 132 SMs too: there the per-call GPU-filling count binds less often than tiles."""
+@pytest.mark.parametrize("kt,vt,L,n_q,cuts,n_sm", [
+    ("q8_0", "q4_0", 1000, 3, (256, 512), 4),   # splits straddle the rounds
+    ("f16", "f16", 700, 1, (256,), 1),          # one split: the last round writes the output
+    ("q4_0", "q4_0", 2049, 6, (512, 1024, 1536, 2048), 4),  # a last round of one key
+    ("q8_0", "q8_0", 600, 16, (256,), 132),     # more splits than tiles: some never get one
+])
+def test_rounds_equal_one_call(kt, vt, L, n_q, cuts, n_sm, make_pool, gen, device, monkeypatch):
+    """Keys read in rounds (page-aligned ranges in order, as a streaming cache reads its ring):
+    each of one call's splits carried across the rounds gives the one call's output, bit for
+    bit (same tiles, same order, same merge)."""
     import kernels.decode_attention as da
 
     monkeypatch.setattr(da, "_n_sm", lambda _: n_sm)
-    gen = torch.Generator().manual_seed(0)
-    for n_q, n_heads, n_kv in ((1, 12, 2), (5, 12, 2), (6, 14, 2), (16, 8, 8)):
-        for _ in range(200):
-            n_pages = int(torch.randint(1, 200, (1,), generator=gen))
-            calls = int(torch.randint(1, n_pages + 1, (1,), generator=gen))
-            cuts = sorted(torch.randperm(n_pages - 1, generator=gen)[:calls - 1].add(1).tolist())
-            sizes = [b - a for a, b in zip([0, *cuts], [*cuts, n_pages])]
-            used = sum(splits_for(n_q, n_heads, n_kv, m * PAGE_TOKENS, device) for m in sizes)
-            assert used <= max_splits(n_q, n_heads, n_kv, n_pages, calls, device)
+    q, k_pool, v_pool, table, kf, vf = make_case(make_pool, gen, device, kt, vt, 64, 2, 6, n_q, L,
+                                                 torch.float16)
+    one = decode_attention(q, k_pool, v_pool, table, L, kf, vf)
+    rows = splits_for(n_q, 12, 2, table.shape[0] * PAGE_TOKENS, device)
+    state = reference.Partials(*(torch.full((rows, n_q, 12, *d), float("nan"), device=device)
+                                 for d in ((), (), (64,))))  # never-written rows would show
+    edges = [0, *cuts, None]
+    for r in range(len(edges) - 1):
+        last = r == len(edges) - 2
+        got = decode_attention(q, k_pool, v_pool, table, L, kf, vf, key_start=edges[r], key_end=edges[r + 1],
+                               partials=state, carry=r > 0, return_partials=not last)
+    assert torch.equal(got, one)
