@@ -5,11 +5,12 @@ dense fp32 cache, and streamed against resident pages, on a real model and a rea
 
 Every run is ``kvstream-ppl`` (kvstream.cli.ppl.run) on the built-in standard-library text.
 The base is the contiguous fp32 cache; each paged cache type pair is compared against it. The
-stream arm holds 2 of each layer's pages resident and streams the rest through a ring large
-enough for one round, and is compared against the resident arm of the same types (its
-log-probs saved exactly, float32): that KLD must be exactly 0. ``--batch 16`` sends every
-forward pass through the decode-attention path (verify batches of 16), as decoding does.
-Writes ``<out>/kv_quant_cost.csv``.
+stream arms hold 2 of each layer's pages resident and stream the rest through a ring large
+enough for one round, or through a ring of 2 slots (one page a round: several rounds per
+layer), and are compared against the resident arm of the same types (its log-probs saved
+exactly, float32): those KLDs must be exactly 0. ``--batch 16`` sends every forward pass
+through the decode-attention path (verify batches of 16), as decoding does. ``--stream-only``
+runs just the resident and stream arms. Writes ``<out>/kv_quant_cost.csv``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--n-chunks", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--out", default="results/kv_quant_cost")
+    ap.add_argument("--stream-only", action="store_true", help="only the resident and stream arms")
     args = ap.parse_args()
     common = [f"model={args.model}", f"ctx={args.ctx}", f"n_chunks={args.n_chunks}", f"batch={args.batch}",
               "progress=false"]
@@ -60,10 +62,11 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvq"))
     rows = []
     base = tmp / "dense.lp"
-    r = ppl(common + ["cache=contiguous", f"save_logits={base}"])
-    rows.append(dict(arm="contiguous fp32 (base)", type_k="-", type_v="-", against="-", ppl=r["ppl"],
-                     ppl_err=r["ppl_err"]))
-    for tk, tv in PAIRS:
+    if not args.stream_only:
+        r = ppl(common + ["cache=contiguous", f"save_logits={base}"])
+        rows.append(dict(arm="contiguous fp32 (base)", type_k="-", type_v="-", against="-", ppl=r["ppl"],
+                         ppl_err=r["ppl_err"]))
+    for tk, tv in [] if args.stream_only else PAIRS:
         r = ppl(common + ["cache=resident", f"cache.type_k={tk}", f"cache.type_v={tv}", f"compare_logits={base}"])
         k = r["kld"]
         rows.append(dict(arm="resident", type_k=tk, type_v=tv, against="contiguous fp32", ppl=r["ppl"],
@@ -74,16 +77,19 @@ def main() -> None:
     resident = tmp / "resident.lp"
     ppl(common + ["cache=resident", f"save_logits={resident}", "logits_format=float32"])
     pages = -(-args.ctx // 256)
-    ring = 2 * (pages - 2)  # two halves, each holding every streamed page: one round per layer
     pair = sum(PageFormat(t, cfg.n_kv_heads, cfg.head_dim).page_bytes for t in ("q8_0", "q4_0"))
     slab = reserve_slab(load_model(resolve_model(args.model)), args.batch)
-    mib = (slab + (cfg.n_layers * 2 + ring) * pair + 4096) / MIB
-    r = ppl(common + ["cache=stream", f"cache.ring_pages={ring}", f"arena.mib={mib}", f"compare_logits={resident}"])
-    k = r["kld"]
-    rows.append(dict(arm=f"stream ({pages - 2} of {pages} pages/layer streamed)", type_k="q8_0", type_v="q4_0",
-                     against="resident q8_0/q4_0", ppl=r["ppl"], ppl_err=r["ppl_err"], ppl_ratio=k["ppl_ratio"],
-                     kld_mean=k["kld_mean"], kld_mean_err=k["kld_mean_err"], kld_median=k["kld_median"],
-                     kld_99_9=k["kld_99.9"], kld_max=k["kld_max"], same_top1=k["same_top1"]))
+    # two halves each holding every streamed page (one round per layer), or one page each
+    for ring, rounds in ((2 * (pages - 2), "one round"), (2, f"{pages - 2} rounds")):
+        mib = (slab + (cfg.n_layers * 2 + ring) * pair + 4096) / MIB
+        r = ppl(common + ["cache=stream", f"cache.ring_pages={ring}", f"arena.mib={mib}",
+                          f"compare_logits={resident}"])
+        k = r["kld"]
+        rows.append(dict(arm=f"stream ({pages - 2} of {pages} pages/layer streamed, {rounds})", type_k="q8_0",
+                         type_v="q4_0", against="resident q8_0/q4_0", ppl=r["ppl"], ppl_err=r["ppl_err"],
+                         ppl_ratio=k["ppl_ratio"], kld_mean=k["kld_mean"], kld_mean_err=k["kld_mean_err"],
+                         kld_median=k["kld_median"], kld_99_9=k["kld_99.9"], kld_max=k["kld_max"],
+                         same_top1=k["same_top1"]))
     commit, dirty = git_state()
     df = pd.DataFrame(rows).assign(model=args.model, ctx=args.ctx, n_chunks=args.n_chunks, batch=args.batch,
                                    commit=commit, dirty=dirty, command=" ".join(["python"] + sys.argv))
