@@ -368,6 +368,19 @@ def test_gates_name_the_numbers(model):
         paged(model, "stream", ring=1)
 
 
+def test_a_host_store_beyond_the_hosts_memory_is_refused(monkeypatch):
+    """Pinned pages cannot swap: a store larger than the host's available memory is refused
+    with both numbers before anything is allocated."""
+    from kvstream import host_store
+
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: 64 * 2**20)
+    fmt = PageFormat("q8_0", 2, 128)
+    with pytest.raises(MemoryError, match=r"needs 182 MiB \(28 layers x 64 pages x 104 KiB of K\+V\) but the "
+                                          r"host has 64 MiB available"):
+        host_store.HostStore(28, 64, fmt, PageFormat("q4_0", 2, 128), pin=False)
+    assert host_store.HostStore(2, 4, fmt, fmt, pin=False).nbytes == 2 * 4 * 2 * fmt.page_bytes
+
+
 def test_decode_batch_wider_than_the_verify_width_is_refused(model, tokens):
     cache = paged(model, "resident")  # reserved for verify batches of 1
     prefill(model, cache, tokens[:300], CHUNK)
