@@ -16,7 +16,11 @@ pages laid out as in ``kernels.formats``; K and V may have different block types
   when the lengths are device tensors.
 - Segments: ``return_partials=True`` returns the partials; partials of disjoint key sets
   (resident pages from the arena pool, streamed pages from ring slots, each with its own
-  page table and key range) merge with ``merge`` to the one-pass result.
+  page table and key range) merge with ``merge`` to the one-pass result, up to fp32 rounding
+  (another summation order).
+- Rounds: ``carry=`` runs one call's splits over keys read in increasing, tile-aligned ranges
+  (pages streamed through a ring), each split's state carried in ``partials`` from round to
+  round: the result equals the one call's bit for bit (a merge of segments does not).
 - Precision: q (scaled by scale * log2 e), the dequantized K/V tiles and the probabilities
   are rounded to fp16 for tl.dot (pages hold fp16 values or fp16 scales, so fp16 loses
   nothing more for K/V; a bf16 q beyond fp16 range after scaling would overflow);
@@ -55,9 +59,9 @@ MERGE_BLOCK_S, MERGE_BLOCK_S_FEW, MERGE_BLOCK_D = 256, 512, 32
 # 128 rows (n_q * GQA > 64): 8 warps to hold the 128 x head_dim fp32 accumulator; not swept.
 # Capping registers (maxnreg 128: 16 warps per SM) gained at most 6-9% at 16 rows and nothing at
 # 32 / 64 rows, so no row caps them (results/kernels/variants/launch_regs).
-# Pointers whose offset follows the layer or the plan (a page-table row, a round's key scalars, a
-# round's rows of a shared partials buffer): Triton compiles one variant per 16-byte alignment of a
-# specialized pointer, so these are not specialized. Rows of max_pages int32 (max_pages % 4 != 0)
+# Pointers whose offset follows the layer or the plan (a page-table row, a round's key scalars,
+# partials rows a caller places in a larger buffer): Triton compiles one variant per 16-byte
+# alignment of a specialized pointer, so these are not specialized. Rows of max_pages int32 (max_pages % 4 != 0)
 # otherwise needed other variants of the multi-round calls for 3 layers in 4, compiled at the first
 # multi-round step in mid-decode: 2.3-2.5 s (results/draft_threshold_h200_final4/README.md). They
 # are scalar loads and small stores; part_acc's rows are always 16-byte multiples and stay specialized.
