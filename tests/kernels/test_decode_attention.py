@@ -276,23 +276,24 @@ def test_decode_past_2gib(t, big_pool, make_pool, gen, device):
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=tolerance(small, torch.arange(3), fmt))
 
 
-@pytest.mark.parametrize("kt,vt,L,n_q,cuts,n_sm", [
-    ("q8_0", "q4_0", 1000, 3, (256, 512), 4),   # splits straddle the rounds
-    ("f16", "f16", 700, 1, (256,), 1),          # one split: the last round writes the output
-    ("q4_0", "q4_0", 2049, 6, (512, 1024, 1536, 2048), 4),  # a last round of one key
-    ("q8_0", "q8_0", 600, 16, (256,), 132),     # more splits than tiles: some never get one
+@pytest.mark.parametrize("kt,vt,L,n_q,cuts,n_sm,n_kv", [
+    ("q8_0", "q4_0", 1000, 3, (256, 512), 4, 2),   # splits straddle the rounds
+    ("f16", "f16", 700, 1, (256,), 1, 4),          # one split: the last round writes the output
+    ("q4_0", "q4_0", 2049, 6, (512, 1024, 1536, 2048), 4, 2),  # a last round of one key
+    ("q8_0", "q8_0", 600, 16, (256,), 132, 2),     # more splits than tiles: some never get one
 ])
-def test_rounds_equal_one_call(kt, vt, L, n_q, cuts, n_sm, make_pool, gen, device, monkeypatch):
+def test_rounds_equal_one_call(kt, vt, L, n_q, cuts, n_sm, n_kv, make_pool, gen, device, monkeypatch):
     """Keys read in rounds (page-aligned ranges in order, as a streaming cache reads its ring):
     each of one call's splits carried across the rounds gives the one call's output, bit for
     bit (same tiles, same order, same merge)."""
     import kernels.decode_attention as da
 
     monkeypatch.setattr(da, "_n_sm", lambda _: n_sm)
-    q, k_pool, v_pool, table, kf, vf = make_case(make_pool, gen, device, kt, vt, 64, 2, 6, n_q, L,
+    q, k_pool, v_pool, table, kf, vf = make_case(make_pool, gen, device, kt, vt, 64, n_kv, 12 // n_kv, n_q, L,
                                                  torch.float16)
     one = decode_attention(q, k_pool, v_pool, table, L, kf, vf)
-    rows = splits_for(n_q, 12, 2, table.shape[0] * PAGE_TOKENS, device)
+    rows = splits_for(n_q, 12, n_kv, table.shape[0] * PAGE_TOKENS, device)
+    assert (rows == 1) == (n_kv == 4)
     state = reference.Partials(*(torch.full((rows, n_q, 12, *d), float("nan"), device=device)
                                  for d in ((), (), (64,))))  # never-written rows would show
     edges = [0, *cuts, None]
