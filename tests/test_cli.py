@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -120,6 +121,8 @@ def test_paged_caches_generate_like_the_contiguous_one(tmp_path, cache):
                     "prompt=def add(a, b):", "max_new_tokens=8", "ignore_eos=true"), out)
         outs.append(out.getvalue().splitlines()[0])
     assert outs[0] == outs[1]  # fp16 pages vs the fp32 dense cache: same greedy tokens here
+    assert re.search(r"^arena: [\d.]+ MiB \(slab [\d.]+, ring [\d.]+, pool [\d.]+, pinned 0.0, free [\d.]+ MiB\); "
+                     r"\d+ of \d+ pages/layer resident$", out.getvalue(), re.M)
 
 
 def test_speculative_generation_prints_the_same_greedy_text(tmp_path):

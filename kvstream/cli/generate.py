@@ -42,6 +42,11 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> None:
     r = run_decode(cfg, model, tok, tok.encode(text), on_token=show)
     out.write(stream.flush() + "\n")
     print(r.generation.stats.line(), file=out)
+    layout = getattr(r.cache, "layout", None)
+    if layout is not None:  # a paged cache: its arena's regions, as the decode phase laid them out
+        regions = ", ".join(f"{k} {v:.1f}" for k, v in layout.mib().items() if k != "arena")
+        print(f"arena: {layout.nbytes / 2**20:.1f} MiB ({regions} MiB); {r.cache.capacity} of "
+              f"{r.cache.max_pages} pages/layer resident", file=out)
     for name, st in (r.chain.stats().items() if r.chain else ()):
         print(f"spec {name}: {st.calls} calls, {st.drafts} drafts, {st.drafted_tokens} drafted, "
               f"{st.accepted_tokens} accepted ({100 * st.acceptance_rate:.0f}%), {st.seconds:.2f} s", file=out)
