@@ -282,6 +282,16 @@ def splits_for(n_q: int, n_heads: int, n_kv_heads: int, max_keys: int, device: t
     return num_splits(n_kv_heads, triton.cdiv(max_keys, launch.block_n) + 1, device, launch.programs_per_sm)
 
 
+def round_state(q: torch.Tensor, page_table: torch.Tensor, k_fmt: PageFormat) -> Partials:
+    """The ``partials`` that rounds (``carry=``) of one call over ``page_table``'s keys carry their
+    state in: a row per split of that call, a size from shapes alone."""
+    n_q, n_heads, d = q.shape
+    rows = splits_for(n_q, n_heads, k_fmt.n_kv_heads, page_table.shape[0] * PAGE_TOKENS, q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    return Partials(torch.empty(rows, n_q, n_heads, **f32), torch.empty(rows, n_q, n_heads, **f32),
+                    torch.empty(rows, n_q, n_heads, d, **f32))
+
+
 def _device_scalar(x, device: torch.device, name: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or x.dtype not in (torch.int32, torch.int64) or x.device != device:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.formats import PAGE_TOKENS, PageFormat
-from kernels.reference import Partials
+from kernels.formats import PageFormat
 
 
 class KVOps:
@@ -19,7 +18,7 @@ class KVOps:
             from kernels import decode_attention, gather, store
 
             self._store, self._gather = store.store, gather.gather
-            self._attn, self._splits = decode_attention.decode_attention, decode_attention.splits_for
+            self._attn, self._round_state = decode_attention.decode_attention, decode_attention.round_state
 
     def store(self, pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fmt: PageFormat) -> None:
         (self._store if self.triton else reference.store)(pool, rows, slots, fmt)
@@ -32,13 +31,7 @@ class KVOps:
         partials rows of that call's splits (sized from shapes alone, so a step allocates the same
         bytes whatever its plan, and the reserve pass that sizes the compute slab measured them);
         elsewhere a list the rounds' K/V fill."""
-        if not self.triton:
-            return []
-        n_q, n_heads, d = q.shape
-        rows = self._splits(n_q, n_heads, k_fmt.n_kv_heads, table.shape[0] * PAGE_TOKENS, q.device)
-        f32 = dict(dtype=torch.float32, device=q.device)
-        return Partials(torch.empty(rows, n_q, n_heads, **f32), torch.empty(rows, n_q, n_heads, **f32),
-                        torch.empty(rows, n_q, n_heads, d, **f32))
+        return self._round_state(q, table, k_fmt) if self.triton else []
 
     def attention_round(self, state, q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start, key_end,
                         first: bool, last: bool) -> torch.Tensor | None:

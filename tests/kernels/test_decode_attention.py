@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-from kernels.decode_attention import decode_attention, merge, splits_for
+from kernels.decode_attention import decode_attention, merge, round_state, splits_for
 from kernels.formats import PAGE_TOKENS, PageFormat
 
 # (K type, V type, head_dim, n_kv_heads, GQA, n_q, L, n_splits, q dtype): every type pair,
@@ -292,10 +292,11 @@ def test_rounds_equal_one_call(kt, vt, L, n_q, cuts, n_sm, n_kv, make_pool, gen,
     q, k_pool, v_pool, table, kf, vf = make_case(make_pool, gen, device, kt, vt, 64, n_kv, 12 // n_kv, n_q, L,
                                                  torch.float16)
     one = decode_attention(q, k_pool, v_pool, table, L, kf, vf)
-    rows = splits_for(n_q, 12, n_kv, table.shape[0] * PAGE_TOKENS, device)
-    assert (rows == 1) == (n_kv == 4)
-    state = reference.Partials(*(torch.full((rows, n_q, 12, *d), float("nan"), device=device)
-                                 for d in ((), (), (64,))))  # never-written rows would show
+    state = round_state(q, table, kf)
+    assert state.m.shape[0] == splits_for(n_q, 12, n_kv, table.shape[0] * PAGE_TOKENS, device)
+    assert (state.m.shape[0] == 1) == (n_kv == 4)
+    for x in state:
+        x.fill_(float("nan"))  # never-written rows would show
     edges = [0, *cuts, None]
     for r in range(len(edges) - 1):
         last = r == len(edges) - 2
