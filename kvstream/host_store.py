@@ -11,7 +11,7 @@ import torch
 
 from kernels.formats import PageFormat
 
-MIB = 2**20
+from .arena import MIB
 
 
 def available_host_bytes() -> int | None:
