@@ -306,26 +306,34 @@ def sweep(gen, ceil, rows, contexts, pairs=(("q8_0", "q4_0"),)):
 
 # ---- reporting ---------------------------------------------------------------------------
 
-def asm_stats() -> list[dict]:
-    """Per compiled kernel: registers, spills, shared memory, and what its PTX loads/multiplies with."""
+def compiled(fn) -> list:
+    """The kernels compiled so far for a @triton.jit function (none under the interpreter)."""
+    out = []
+    for caches in getattr(fn, "device_caches", {}).values():
+        cache = caches[0] if isinstance(caches, tuple) else caches
+        out += list(getattr(cache, "values", lambda: [])())
+    return out
+
+
+def asm_stats(prov: dict) -> list[dict]:
+    """Per compiled kernel: registers, spills, shared memory, and what its PTX loads/multiplies
+    with, and ``prov`` (the run's provenance)."""
     from kernels import gather as g, store as st
     out = []
     for name, fn in [("decode", da._decode_attention_kernel), ("merge", da._merge_kernel),
                      ("gather", g._gather_kernel), ("store", st._store_kernel)]:
-        for caches in getattr(fn, "device_caches", {}).values():
-            cache = caches[0] if isinstance(caches, tuple) else caches
-            for k in getattr(cache, "values", lambda: [])():
-                ptx = k.asm.get("ptx", "") if hasattr(k, "asm") else ""
-                c = lambda s: ptx.count(s)  # noqa: E731
-                out.append(dict(kernel=name, n_regs=getattr(k, "n_regs", None),
-                                n_spills=getattr(k, "n_spills", None),
-                                shared=getattr(k.metadata, "shared", None),
-                                num_warps=getattr(k.metadata, "num_warps", None),
-                                ld_v4=c("ld.global.v4") + c("ld.global.L1::evict_last.v4"),
-                                ld_v2=c("ld.global.v2"), ld_scalar=c("ld.global.b") + c("ld.global.u"),
-                                cp_async=c("cp.async"), wgmma=c("wgmma.mma_async"), mma_sync=c("mma.sync"),
-                                constants=str({kk: v for kk, v in getattr(k, "constants", {}).items()
-                                               if isinstance(v, (int, bool))})[:300]))
+        for k in compiled(fn):
+            ptx = k.asm.get("ptx", "") if hasattr(k, "asm") else ""
+            c = lambda s: ptx.count(s)  # noqa: E731
+            out.append(dict(kernel=name, n_regs=getattr(k, "n_regs", None),
+                            n_spills=getattr(k, "n_spills", None),
+                            shared=getattr(k.metadata, "shared", None),
+                            num_warps=getattr(k.metadata, "num_warps", None),
+                            ld_v4=c("ld.global.v4") + c("ld.global.L1::evict_last.v4"),
+                            ld_v2=c("ld.global.v2"), ld_scalar=c("ld.global.b") + c("ld.global.u"),
+                            cp_async=c("cp.async"), wgmma=c("wgmma.mma_async"), mma_sync=c("mma.sync"),
+                            constants=str({kk: v for kk, v in getattr(k, "constants", {}).items()
+                                           if isinstance(v, (int, bool))})[:300], **prov))
     return out
 
 
@@ -412,7 +420,7 @@ def main(args) -> None:
         rows = []
         sweep(gen, ceil, rows, args.contexts or [32768, 65536, 131072])
         pd.DataFrame(rows).assign(**prov).to_csv(os.path.join(args.out, "sweep.csv"), index=False)
-        pd.DataFrame(asm_stats()).to_csv(os.path.join(args.out, "asm.csv"), index=False)
+        pd.DataFrame(asm_stats(prov)).to_csv(os.path.join(args.out, "asm.csv"), index=False)
         return
     dec_rows, gat_rows, st_rows = [], [], []
     for L in contexts:
@@ -432,7 +440,7 @@ def main(args) -> None:
     gat.to_csv(os.path.join(args.out, "gather.csv"), index=False)
     pd.DataFrame(st_rows).assign(**prov).to_csv(os.path.join(args.out, "store.csv"), index=False)
     pd.DataFrame([{**ceil, **prov}]).to_csv(os.path.join(args.out, "ceilings.csv"), index=False)
-    pd.DataFrame(asm_stats()).to_csv(os.path.join(args.out, "asm.csv"), index=False)
+    pd.DataFrame(asm_stats(prov)).to_csv(os.path.join(args.out, "asm.csv"), index=False)
     with open(os.path.join(args.out, "command.txt"), "w") as f:
         f.write("\n".join(f"{k}: {v}" for k, v in prov.items()) + "\n")
     plot(dec, gat, os.path.join(args.out, "bench_kernels.png"))

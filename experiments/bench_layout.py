@@ -63,7 +63,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from experiments import bench_kernels as bk  # noqa: E402
-from experiments.bench_kernels import ceilings, n_sets, random_pool, sized_copy_gbps, time_graph  # noqa: E402
+from experiments.bench_kernels import ceilings, compiled, n_sets, random_pool, sized_copy_gbps, time_graph  # noqa: E402
 from kernels import gather as g  # noqa: E402
 from kernels.formats import PAGE_TOKENS, PageFormat, page_to_ggml  # noqa: E402
 from kernels.gather import _dequant, gather, use_asm  # noqa: E402
@@ -162,15 +162,6 @@ def gather_ggml(pool: torch.Tensor, page_ids: torch.Tensor, n_tokens: int, fmt: 
 
 
 # ---- PTX ------------------------------------------------------------------------------------
-
-def compiled(fn) -> list:
-    """The kernels compiled so far for a @triton.jit function (none under the interpreter)."""
-    out = []
-    for caches in getattr(fn, "device_caches", {}).values():
-        cache = caches[0] if isinstance(caches, tuple) else caches
-        out += list(getattr(cache, "values", lambda: [])())
-    return out
-
 
 HINTS = ("nc", "ca", "cg", "cs", "lu", "cv")  # cache operators of ld (the L1::/L2:: ones contain "::")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 from hydra import compose, initialize_config_module
 
-from experiments.provenance import git_state
+from experiments.provenance import provenance
 from kernels.formats import PageFormat
 from kvstream.arena import MIB
 from kvstream.cache_factory import reserve_slab
@@ -90,9 +90,8 @@ def main() -> None:
                          ppl_ratio=k["ppl_ratio"], kld_mean=k["kld_mean"], kld_mean_err=k["kld_mean_err"],
                          kld_median=k["kld_median"], kld_99_9=k["kld_99.9"], kld_max=k["kld_max"],
                          same_top1=k["same_top1"]))
-    commit, dirty = git_state()
     df = pd.DataFrame(rows).assign(model=args.model, ctx=args.ctx, n_chunks=args.n_chunks, batch=args.batch,
-                                   commit=commit, dirty=dirty, command=" ".join(["python"] + sys.argv))
+                                   **provenance(), command=" ".join(["python"] + sys.argv))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "kv_quant_cost.csv", index=False)
