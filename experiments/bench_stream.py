@@ -13,7 +13,11 @@ and their rate against the pinned-copy ceiling measured in the same run, the ste
 max(compute-only = resident step, transfer-only = the step's copies alone), and device memory in
 use during decode (as the driver counts it, less the CUDA context) against weights + arena. The
 transfer-only time replays the step's copies from a CUDA graph, as the graphed step issues them
-(``transfer_eager_ms``: issued from Python one by one, host-bound for small sets).
+(``transfer_eager_ms``: issued from Python one by one, host-bound for small sets). The
+telemetry's transfer wait per step (``wait_ms``, median over the back-to-back steps; its share of
+the step) and what timing it costs: ``timing_cost`` = tok/s with graphs captured without the
+stamp kernels (``tok_s_untimed``) / with - 1; ``stamp_pair_us``: the wait reported for a wait of
+nothing (two stamps back to back).
 """
 
 from __future__ import annotations
@@ -97,10 +101,43 @@ def transfer_only_ms(cache, graphed: bool = True, reps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
+def stamp_pair_us(device, pairs: int = 64) -> float:
+    """What the wait telemetry reports for a wait of nothing: two stamps back to back in a graph
+    (the gap between two launches, and the timer's resolution), per pair, in us."""
+    from kernels.stamp import stamp
+
+    acc = torch.zeros(1, dtype=torch.int64, device=device)
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        stamp(acc, -1)  # compiled outside the capture
+        stamp(acc, 1)
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(pairs):
+                stamp(acc, -1)
+                stamp(acc, 1)
+    acc.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return int(acc) / pairs / 1e3
+
+
 def device_used_mib() -> float:
     """Device memory in use, as the driver counts it (torch's pools, ours and the context)."""
     free, total = torch.cuda.mem_get_info()
     return (total - free) / MIB
+
+
+def back_to_back(step, cache, tok: torch.Tensor, steps: int) -> tuple[float, torch.Tensor, list]:
+    """``steps`` decode steps queued back to back (one sync at the end): seconds per step, the
+    last token, and each step's ``StepStats``."""
+    stats = []
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        tok = step(tok, cache)[-1].argmax().reshape(1)
+        stats.append(cache.stats)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps, tok, stats
 
 
 def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> dict:
@@ -120,15 +157,18 @@ def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> d
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         # back to back, one sync: the host prepares a step while the device runs the one before,
-        # as in a decode loop (the next token stays on the device); the decode rate
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for i in range(steps):
-            tok = step(tok, cache)[-1].argmax().reshape(1)
-        torch.cuda.synchronize()
-        step_s = (time.perf_counter() - t) / steps
+        # as in a decode loop (the next token stays on the device); the decode rate, and each
+        # step's transfer wait as the telemetry reports it (kvstream.wait_clock)
+        step_s, tok, stats = back_to_back(step, cache, tok, steps)
+        waits = [s.wait_s for s in stats]
+        # the same without timing the waits (new graphs, captured without the stamp kernels)
+        timed, cache.clock.enabled = cache.clock.enabled, False
+        untimed_s, tok, _ = back_to_back(GraphedModel(model) if graphs else model, cache, tok, steps)
+        cache.clock.enabled = timed
     st = cache.stats
-    return dict(step_ms=step_s * 1e3, tok_s=1 / step_s, step_synced_ms=statistics.median(times[3:]) * 1e3,
+    wait = dict(wait_ms=statistics.median(waits) * 1e3, wait_max_ms=max(waits) * 1e3) if None not in waits else {}
+    return dict(step_ms=step_s * 1e3, tok_s=1 / step_s, tok_s_untimed=1 / untimed_s, **wait,
+                step_synced_ms=statistics.median(times[3:]) * 1e3,
                 streamed_pages=st.streamed_pages, resident_pages=st.resident_pages,
                 rounds=st.rounds, group=cache.group, h2d_bytes=st.h2d_bytes, transfer_only_ms=transfer_only_ms(cache, graphs),
                 transfer_eager_ms=transfer_only_ms(cache, False), device_used_mib=device_used_mib(),
@@ -193,7 +233,7 @@ def main() -> None:
     weights_mib = torch.cuda.memory_allocated() / MIB
     rows = []
     for ctx in args.contexts:
-        max_tokens = ctx + 2 * args.steps + 8
+        max_tokens = ctx + 3 * args.steps + 8
         arms = [("resident", None)] + [("stream", f) for f in args.fractions]
         base_step = None
         for mode, frac in arms:
@@ -229,17 +269,18 @@ def main() -> None:
             # workspace; and the whole device (driver count, kernel code included) beyond bound
             run_mib = r["torch_reserved_mib"] - cache.slab_pool.segments.bytes / MIB - before_mib
             r.update(run_beyond_arena_mib=run_mib - arena_mib, device_beyond_mib=r["mem_device_mib"] - r["bound_mib"])
+            r.update(wait_share=r.get("wait_ms", float("nan")) / r["step_ms"], timing_cost=r["tok_s_untimed"] / r["tok_s"] - 1)
             rows.append(r)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             del cache
     commit, dirty = git_state()
-    df = pd.DataFrame(rows).assign(model=MODEL, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    df = pd.DataFrame(rows).assign(stamp_pair_us=stamp_pair_us(dev), model=MODEL, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                    commit=commit, dirty=dirty, command=" ".join(["python"] + sys.argv))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "stream_decode.csv", index=False)
     cols = ["context", "mode", "fraction", "arena_mib", "capacity", "streamed_pages", "rounds", "group", "tok_s", "step_synced_ms",
-            "transfer_only_ms", "transfer_eager_ms", "copy_gbps",
+            "transfer_only_ms", "transfer_eager_ms", "copy_gbps", "wait_ms", "wait_share", "timing_cost",
             "frac_of_pinned_ceiling", "overlap_ratio", "slab_mib", "slab_used_mib", "run_beyond_arena_mib", "torch_before_mib", "bound_mib", "device_beyond_mib"]
     print(df[cols].round(3).to_string(index=False))
     print(f"pinned ceiling {ceiling:.1f} GB/s")

@@ -111,7 +111,8 @@ _MODELS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one
 # runs.csv's columns, in order (``run_cell`` builds its row with exactly these)
 ROW_COLUMNS = ("run_id", "study", "arm", "policy", "keep_pages", "spec_type", "context", "rep", "new_tokens",
                "decode_tok_s", "prefill_tok_s", "capacity_with_draft", "capacity_without_draft", "draft_mib", "ejects",
-               "reenables", "transitions", "acceptance_rate", "draft_time_share", "speculators",
+               "reenables", "transitions", "acceptance_rate", "draft_time_share", "wait_time_share",
+               "speculators",
                "synthetic_acceptance", "random_weights", "arena_mib", "arena_bytes", "beyond_arena_mib",
                "end_beyond_arena_mib", "started_utc",
                "sm_clock_mhz", "sm_clock_min_mhz", "model",
@@ -197,6 +198,9 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "transitions": json.dumps(c.transitions_rows() if c else []),  # step, pages, capacities, seconds, bytes
         "acceptance_rate": sum(s.accepted_tokens for s in stats.values()) / drafted if drafted else None,
         "draft_time_share": float(steps["draft_s"].sum() / steps["step_s"].sum()) if len(steps) else None,
+        # the target passes' transfer wait (device time on CUDA); empty where the cache did not time it
+        "wait_time_share": float(steps["wait_s"].sum() / steps["step_s"].sum())
+        if len(steps) and steps["wait_s"].notna().all() else None,
         "speculators": json.dumps({n: s.as_dict() for n, s in stats.items()}),  # per speculator, fixed schema
         "synthetic_acceptance": run_cfg.spec.synthetic_acceptance, "random_weights": is_skeleton(open_gguf(
             resolve_model(run_cfg.model.source))),

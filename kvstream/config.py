@@ -58,6 +58,7 @@ class CacheConfig:
     ring_pages: str = "auto"   # stream mode: ring slots (K/V page pairs, two halves); auto: one round per layer
     residency: str = "newest"  # newest | sink_newest (policies/residency.py)
     residency_step: int = 1    # stream mode: the oldest resident pages leave this many at a time (fewer re-captures)
+    time_waits: bool = True    # paged modes: time each step's transfer wait (StepRecord.wait_s; kvstream.wait_clock)
 
     def __post_init__(self):  # here, so that a sweep's bad cell fails before its model loads
         self.check()
@@ -70,6 +71,8 @@ class CacheConfig:
         _choose("cache.residency", self.residency, RESIDENCY)
         if not str(self.residency_step).isdigit() or int(self.residency_step) < 1:
             raise ValueError(f"cache.residency_step={self.residency_step!r}: give a whole number of pages >= 1")
+        if not isinstance(self.time_waits, bool):
+            raise ValueError(f"cache.time_waits={self.time_waits!r}: give true or false")
         if str(self.ring_pages) != "auto" and not str(self.ring_pages).isdigit():
             raise ValueError(f"cache.ring_pages={self.ring_pages!r}: give a number of ring slots (>= 2) or auto")
 

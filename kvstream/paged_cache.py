@@ -38,6 +38,7 @@ from .host_store import HostStore
 from .kv_ops import KVOps
 from .slab_pool import SlabPool
 from .telemetry import StepStats
+from .wait_clock import WaitClock
 
 MODES = ("resident", "stream")
 # an automatic ring's halves grow up to this much into bytes no resident page can use: on the
@@ -74,8 +75,9 @@ def both_slabs_bytes(slabs: dict[str, int]) -> int:
 class _Copier:
     """Host<->device copies on a side stream with events (CUDA); plain copies elsewhere."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, clock: WaitClock):
         self.cuda = device.type == "cuda"
+        self.clock = clock  # times what the compute stream waits for or runs itself
         if self.cuda:
             # an int: torch.cuda.current_stream(None or a device) looks the device index up on
             # each call, and a captured pass makes ~240 of these calls (results/capture)
@@ -87,8 +89,9 @@ class _Copier:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, half: int) -> None:
         """Host rows -> ring rows (2-D views, one copy) in half ``half``, after that half's
         previous reader is done."""
-        if not self.cuda:
-            dst.copy_(src)
+        if not self.cuda:  # synchronous: the compute "stream" itself does it
+            with self.clock.timing():
+                dst.copy_(src)
             return
         self.stream.wait_event(self.free[half])  # explicit streams throughout: no stream context to enter
         copy_rows(dst, src, self.stream)
@@ -99,7 +102,8 @@ class _Copier:
         stream's writes to them; asynchronous (one 2-D copy), so the host does not wait for
         the step. The source is the arena itself: nothing is freed under the copy."""
         if not self.cuda:
-            dst.copy_(src)
+            with self.clock.timing():
+                dst.copy_(src)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.index))
         copy_rows(dst, src, self.stream)
@@ -107,10 +111,11 @@ class _Copier:
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A strided host view -> arena rows, on the compute stream (after ``wait``: the host
         rows may still be arriving from a write-back): one 2-D copy, the host never reads."""
-        if not self.cuda:
-            dst.copy_(src)
-            return
-        copy_rows(dst, src, torch.cuda.current_stream(self.index))
+        with self.clock.timing():
+            if not self.cuda:
+                dst.copy_(src)
+                return
+            copy_rows(dst, src, torch.cuda.current_stream(self.index))
 
     def reset(self) -> None:
         """Both ring halves are free once the compute stream's work so far is done. Recorded
@@ -122,9 +127,11 @@ class _Copier:
                 e.record(s)
 
     def wait(self, half: int | None = None) -> None:
+        """The compute stream waits for ring half ``half``'s copy (None: every copy so far)."""
         if self.cuda:
             s = torch.cuda.current_stream(self.index)
-            s.wait_event(self.ready[half]) if half is not None else s.wait_stream(self.stream)
+            with self.clock.timing():
+                s.wait_event(self.ready[half]) if half is not None else s.wait_stream(self.stream)
 
     def release(self, half: int) -> None:
         if self.cuda:
@@ -134,7 +141,8 @@ class _Copier:
 class PagedCache(CacheBase):
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
                  type_v: str, mode: str, arena: Arena, ring_pages: int | None, slabs: dict[str, int],
-                 verify_width: int = 1, residency=NewestResident(), both_slabs: bool = False):
+                 verify_width: int = 1, residency=NewestResident(), both_slabs: bool = False,
+                 time_waits: bool = True):
         if mode not in MODES:
             raise ValueError(f"cache.mode={mode!r}; choose one of {', '.join(MODES)}")
         if mode == "stream" and ring_pages is not None and ring_pages < 2:
@@ -147,7 +155,8 @@ class PagedCache(CacheBase):
         self.device = arena.device
         self.host = HostStore(n_layers, self.max_pages, self.k_fmt, self.v_fmt, pin=self.device.type == "cuda")
         self.ops = KVOps(self.device)
-        self.copier = _Copier(self.device)
+        self.clock = WaitClock(self.device, time_waits)  # each pass's transfer wait (StepStats.wait_s)
+        self.copier = _Copier(self.device, self.clock)
         self.ring_request = ring_pages if mode == "stream" else 0  # None: sized at each layout
         self.length = 0
         self._n = 0
@@ -418,6 +427,7 @@ class PagedCache(CacheBase):
             raise ValueError(f"a decode batch of {n} tokens is wider than the reserved verify width "
                              f"{self.verify_width} (1 + the most draft tokens); reserve more at cache creation")
         self.stats = StepStats()
+        self.clock.open_pass()
         first, n_pages = self.length // PAGE_TOKENS, -(-(self.length + n) // PAGE_TOKENS)
         if n_pages - first > self.capacity:
             raise ArenaTooSmall(f"a batch of {n} tokens at position {self.length} writes {n_pages - first} pages "
@@ -567,6 +577,7 @@ class PagedCache(CacheBase):
                 self.copier.write_back(host, rows)
         self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
         self._primed = self.plan_key() if self._wrap else None  # this step's end copied its first round
+        self.clock.close_pass(self.stats)
         super().commit()
 
     def forget_ring(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 from kernels.formats import PAGE_TOKENS
 
@@ -16,6 +16,16 @@ class StepStats:
     rounds: int = 0          # ring rounds per layer
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    # ns the compute stream waited for (or ran) transfers; None: not timed (kvstream.wait_clock),
+    # or on CUDA not read yet, while ``clock`` is set: ``wait_s`` reads it
+    wait_ns: int | None = 0
+    clock: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def wait_s(self) -> float | None:
+        if self.clock is not None:
+            self.clock.resolve(self)
+        return None if self.wait_ns is None else self.wait_ns / 1e9
 
 
 @dataclass
@@ -39,6 +49,7 @@ class StepRecord:
     draft_active: bool = False  # a draft model is pinned (not ejected) during the step
     speculator: str = ""  # the chain's winner, if any
     plain_measure: bool = False  # a plain step measuring the ejected state, the draft pinned (MEASURE_PLAIN)
+    stats: StepStats | None = field(default=None, repr=False, compare=False)  # the target pass's: its wait
 
     @classmethod
     def of(cls, step: int, cache, new_tokens: int, step_s: float, *, context: int | None = None,
@@ -48,7 +59,20 @@ class StepRecord:
         s = stats or cache.stats
         n = cache.length if context is None else context
         return cls(step, n, -(-n // PAGE_TOKENS), s.resident_pages, s.streamed_pages, s.rounds,
-                   s.h2d_bytes, s.d2h_bytes, new_tokens, step_s, **spec)
+                   s.h2d_bytes, s.d2h_bytes, new_tokens, step_s, stats=s, **spec)
+
+    @property
+    def wait_s(self) -> float | None:
+        """Seconds of the step's target pass spent waiting for (or running) transfers, in device
+        time on CUDA (read when asked: the device may still be running the step); None: not timed."""
+        return self.stats.wait_s if self.stats is not None else None
+
+    @property
+    def target_s(self) -> float:
+        """The rest of the step: the target's forward pass, sampling and the host's own work."""
+        return self.step_s - self.draft_s - (self.wait_s or 0.0)
 
     def row(self) -> dict:
-        return asdict(self)
+        """The record as a table row: its fields, then the step-time split's wait and target parts."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stats"}
+        return d | {"wait_s": self.wait_s, "target_s": self.target_s}

@@ -522,3 +522,57 @@ def test_decode_buffers_and_captured_graphs_live_in_the_arena(tmp_path):
     assert cache.slab_pool.segments.bytes > 0
     # beyond the arena: the clones of the logits handed to the sampler (a 2 MiB segment or two)
     assert added - cache.arena.nbytes <= 4 << 20, (added, cache.arena.nbytes)
+
+
+def test_a_passes_wait_is_device_time_read_after_later_replays_are_queued():
+    """The stamps measure in device time inside a captured graph, and each pass reads its own
+    total although the next replays (which reuse its pinned slot) were queued before it was read."""
+    from kvstream.telemetry import StepStats
+    from kvstream.wait_clock import WaitClock
+
+    clock, cycles = WaitClock(torch.device("cuda")), 2_000_000  # ~1 ms at the H200's ~1.9 GHz
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    clock.open_pass()
+    with torch.cuda.stream(side):
+        with clock.timing():  # compiles both stamps outside the capture
+            torch.cuda._sleep(1000)
+        with torch.cuda.graph(graph, stream=side):
+            with clock.timing():
+                torch.cuda._sleep(cycles)
+    clock.close_pass(StepStats())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    sleep_s = start.elapsed_time(end) / 1e3
+    passes = []
+    for _ in range(5):  # back to back: pass i's slot is taken again by pass i + 2
+        clock.open_pass()
+        graph.replay()
+        passes.append(StepStats())
+        clock.close_pass(passes[-1])
+    for s in passes:
+        # the same spin as the events timed, give or take a launch gap and the timer's ~1 us
+        # steps: 2% (the clock may move between runs) + 20 us
+        assert abs(s.wait_s - sleep_s) <= 0.02 * sleep_s + 20e-6, (s.wait_s, sleep_s)
+
+
+def test_graphed_decode_records_the_ring_wait(tmp_path, monkeypatch):
+    """Run-ahead graphed decode: every streaming step waits for ring copies made slow (~0.1 ms
+    late each), and its record says so; resident steps that open no page wait for nothing, 0 s."""
+    import test_paged_cache as t
+    from kvstream.cuda_graph import GraphedModel
+
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
+    toks = torch.randint(0, 357, (t.PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    greedy = Sampler(SamplingParams(), "cuda")
+    resident = generate(GraphedModel(m), t.paged(m, "resident"), toks, 20, greedy, prefill_chunk=t.CHUNK).records
+    assert [r.wait_s for r in resident if r.context % 256 != 1] == [0.0] * sum(r.context % 256 != 1 for r in resident)
+    _slow_ring(monkeypatch)
+    cache = t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8)
+    records = generate(GraphedModel(m), cache, toks, 20, greedy, prefill_chunk=t.CHUNK).records
+    assert all(r.streamed_pages == 4 for r in records)
+    # layer 1's copy starts ~0.1 ms late while layer 0 computes for less than that: each step
+    # waits for it, and all of it stays below the step's own time
+    assert all(20e-6 < r.wait_s < r.step_s for r in records), [r.wait_s for r in records]

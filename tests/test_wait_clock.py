@@ -1,0 +1,60 @@
+"""Transfer-wait telemetry (kvstream.wait_clock): what a pass waited for, split out of its step."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kernels.stamp import stamp
+from kvstream.generate import generate
+from kvstream.sampling import Sampler, SamplingParams
+from kvstream.telemetry import StepStats
+from kvstream.wait_clock import WaitClock
+from test_paged_cache import CHUNK, PROMPT, model, paged, small_arena_mib, tokens  # noqa: F401 (fixtures)
+
+
+def test_cpu_clock_counts_what_a_pass_times_and_nothing_between_passes():
+    clock, a, b = WaitClock(torch.device("cpu")), StepStats(), StepStats()
+    with clock.timing():  # outside a pass (a re-layout's copies): not a step's
+        time.sleep(0.02)
+    clock.open_pass()
+    with clock.timing():
+        time.sleep(0.02)
+    clock.close_pass(a)
+    clock.open_pass()
+    clock.close_pass(b)
+    # sleep returns no earlier than asked; 0.2 s bounds a loaded CI machine's oversleep
+    assert 0.02 <= a.wait_s < 0.2
+    assert b.wait_s == 0.0
+
+
+def test_an_untimed_clock_reports_no_wait():
+    clock, s = WaitClock(torch.device("cpu"), enabled=False), StepStats()
+    clock.open_pass()
+    with clock.timing():
+        time.sleep(0.001)
+    clock.close_pass(s)
+    assert s.wait_s is None
+
+
+def test_stamp_refuses_a_counter_it_cannot_use():
+    with pytest.raises(ValueError, match="CUDA int64 counter"):
+        stamp(torch.zeros(1, dtype=torch.int64), -1)
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_records_split_each_step_into_target_draft_and_wait(model, tokens, timed):
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
+    cache.clock.enabled = timed
+    g = generate(model, cache, tokens[:PROMPT], 6, Sampler(SamplingParams()), prefill_chunk=CHUNK)
+    assert g.records and all(r.streamed_pages == 4 for r in g.records)
+    for r in g.records:
+        row = r.row()
+        assert "stats" not in row and row["wait_s"] == r.wait_s
+        if timed:  # 4 pages of each layer copied host -> ring, synchronously on the CPU: time spent
+            assert 0 < r.wait_s < r.step_s
+        else:
+            assert r.wait_s is None
+        assert row["target_s"] == r.step_s - r.draft_s - (r.wait_s or 0.0)
