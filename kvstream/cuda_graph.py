@@ -25,17 +25,19 @@ import torch
 
 from kernels.decode_attention import MAX_N_Q
 
+from .cudart import own_stream
+
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
+def side_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """The one capture stream of a device, shared by every GraphedModel (a target's and its
     draft's): a stream's first matmul gives it a cuBLAS workspace for good (32 MiB on the H200),
     outside any arena, so each extra stream would cost that much beyond it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE:
-        _SIDE[index] = torch.cuda.Stream(index)
+        _SIDE[index] = own_stream(torch.device("cuda", index))  # not a pooled one (see own_stream)
     return _SIDE[index]
 
 
