@@ -1,5 +1,5 @@
-"""``cudaMemcpy2DAsync``, ``cudaMalloc`` / ``cudaFree`` and ``cudaStreamCreateWithFlags`` /
-``cudaStreamDestroy`` from the CUDA runtime torch has loaded (through ctypes).
+"""``cudaMemcpy2DAsync``, ``cudaMalloc`` and ``cudaFree`` from the CUDA runtime torch has
+loaded (through ctypes).
 
 torch copies into a strided pinned host view (one page of every layer of the host store)
 through a pageable temporary and a host sync; one 2-D copy is asynchronous: the decode step's
@@ -31,8 +31,6 @@ def _runtime() -> ctypes.CDLL:
             fn.restype = ctypes.c_int
             lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
             lib.cudaFree.argtypes = [ctypes.c_void_p]
-            lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-            lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
             return lib
     raise RuntimeError(f"libcudart is not among this process's mapped libraries (torch {torch.__version__}); "
                        f"cannot issue 2-D copies")
@@ -64,23 +62,3 @@ def device_malloc(nbytes: int) -> int:
 
 def device_free(ptr: int) -> None:
     _runtime().cudaFree(ctypes.c_void_p(ptr))
-
-
-def own_stream(device: torch.device) -> torch.cuda.ExternalStream:
-    """A stream of its own (non-blocking, as torch's are): ``torch.cuda.Stream()`` hands out one
-    of 32 pooled streams in turn, so after 32 more a process's copy stream was another part's
-    stream, e.g. the graph-capture stream. Copies issued there were captured in line with the
-    step's kernels, which then ran one after the other (a 65K step at 10.4 ms instead of 7.8,
-    the ninth arm of one bench_stream process). Give it back with ``destroy_stream``."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with torch.cuda.device(index):  # a stream belongs to the device current at its creation
-        ptr = ctypes.c_void_p()
-        err = _runtime().cudaStreamCreateWithFlags(ctypes.byref(ptr), 1)  # cudaStreamNonBlocking
-    if err:
-        raise RuntimeError(f"cudaStreamCreateWithFlags failed with CUDA error {err}")
-    return torch.cuda.ExternalStream(ptr.value, device=torch.device("cuda", index))
-
-
-def destroy_stream(stream: torch.cuda.ExternalStream) -> None:
-    """Release an ``own_stream`` (work queued on it still completes first)."""
-    _runtime().cudaStreamDestroy(ctypes.c_void_p(stream.cuda_stream))

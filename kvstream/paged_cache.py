@@ -33,7 +33,8 @@ from policies.residency import NewestResident
 
 from .arena import ALIGN, Arena, ArenaTooSmall, Layout
 from .cache import CacheBase, ContextOverflow, causal_attention
-from .cudart import copy_rows, destroy_stream, own_stream
+from .cuda_graph import copy_stream
+from .cudart import copy_rows
 from .host_store import HostStore
 from .kv_ops import KVOps
 from .slab_pool import SlabPool
@@ -82,7 +83,7 @@ class _Copier:
             # an int: torch.cuda.current_stream(None or a device) looks the device index up on
             # each call, and a captured pass makes ~240 of these calls (results/capture)
             self.index = device.index if device.index is not None else torch.cuda.current_device()
-            self.stream = own_stream(device)  # never the capture stream (see own_stream)
+            self.stream = copy_stream(device)  # never the capture stream
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
             self.free = [torch.cuda.Event(), torch.cuda.Event()]
 
@@ -213,7 +214,6 @@ class PagedCache(CacheBase):
         copier = getattr(self, "copier", None)
         if copier is not None and copier.cuda:
             copier.stream.synchronize()
-            destroy_stream(copier.stream)
         for pool in getattr(self, "_pools", ()):
             if pool is not None:
                 pool.pool = None  # its segments go before the arena's bytes can be reused

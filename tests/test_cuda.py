@@ -581,14 +581,11 @@ def test_graphed_decode_records_the_ring_wait(tmp_path, monkeypatch):
 def test_no_cache_copies_on_the_capture_stream(tmp_path):
     """torch.cuda.Stream() hands out 32 pooled streams in turn: a cache's copy stream once came
     round to the capture stream after enough caches (the reserve passes make some too), and the
-    captured step then ran its copies in line with its kernels. Each copier's stream is its own."""
+    captured step then ran its copies in line with its kernels."""
     import test_paged_cache as t
     from kvstream.cuda_graph import side_stream
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
     side = side_stream(m.device).cuda_stream
-    pooled = [torch.cuda.Stream() for _ in range(40)]  # a long sweep's worth of pool draws
-    caches = [t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8) for _ in range(3)]
-    handles = [c.copier.stream.cuda_stream for c in caches]
-    assert len(set(handles)) == 3 and side not in handles
-    assert not {s.cuda_stream for s in pooled} & {side, *handles}
+    for _ in range(20):  # each makes 2 or more streams (its reserve passes): more than the pool has
+        assert t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8).copier.stream.cuda_stream != side
