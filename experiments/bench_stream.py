@@ -240,7 +240,8 @@ def main() -> None:
         arms = [("resident", None)] + [("stream", f) for f in args.fractions]
         base_step = None
         for mode, frac in arms:
-            cc = CacheConfig(mode=mode, type_k="q8_0", type_v="q4_0", ring_pages=args.ring if mode == "stream" else "0")
+            cc = CacheConfig(mode=mode, type_k="q8_0", type_v="q4_0", ring_pages=args.ring if mode == "stream" else "0",
+                             time_waits=True)
             slabs = phase_slabs(cc, model, max_tokens, 1024)
             if frac is None:
                 mib = "auto"

@@ -58,7 +58,7 @@ class CacheConfig:
     ring_pages: str = "auto"   # stream mode: ring slots (K/V page pairs, two halves); auto: one round per layer
     residency: str = "newest"  # newest | sink_newest (policies/residency.py)
     residency_step: int = 1    # stream mode: the oldest resident pages leave this many at a time (fewer re-captures)
-    time_waits: bool = True    # paged modes: time each step's transfer wait (StepRecord.wait_s; kvstream.wait_clock)
+    time_waits: bool = False   # paged modes on CUDA: time each step's transfer wait (StepRecord.wait_s); CPU: always
 
     def __post_init__(self):  # here, so that a sweep's bad cell fails before its model loads
         self.check()

@@ -143,7 +143,7 @@ class PagedCache(CacheBase):
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
                  type_v: str, mode: str, arena: Arena, ring_pages: int | None, slabs: dict[str, int],
                  verify_width: int = 1, residency=NewestResident(), both_slabs: bool = False,
-                 time_waits: bool = True):
+                 time_waits: bool = False):
         if mode not in MODES:
             raise ValueError(f"cache.mode={mode!r}; choose one of {', '.join(MODES)}")
         if mode == "stream" and ring_pages is not None and ring_pages < 2:

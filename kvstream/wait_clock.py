@@ -8,11 +8,14 @@ host has queued before it could read the event. Instead ``kernels.stamp`` adds e
 in device time to a counter in device memory (a one-thread launch before the wait and one after);
 each pass's end copies the running total into a pinned slot, two in turn. A pass's wait is its
 total less the previous pass's, read once its copy has landed: when its slot comes round again,
-two passes later, or when asked (``StepStats.wait_s``). A pair of stamps costs two launches, and
-each wait's value includes one launch gap (results/stream/wait_telemetry/README.md), so timing
-is a knob (``cache.time_waits``); off, passes report no wait (None).
+two passes later, or when asked (``StepStats.wait_s``). A step that captures its graph runs its
+body twice (warm-up, then replay): both waits count, as both run times count in its step time.
+On the H200 a stamp pair costs ~1 us and each wait's value includes that much, and timing took
+0-4% of a streaming step's rate (results/stream/wait_telemetry/README.md): it changes what it
+measures, so on CUDA it is opt-in (``cache.time_waits``); untimed passes report None.
 
-CPU: copies are synchronous, so a pass's wait is its copies' own time (``perf_counter_ns``).
+CPU: copies are synchronous, so a pass's wait is its copies' own time (``perf_counter_ns``),
+which costs nothing to read: always timed.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from .telemetry import StepStats
 
 
 class WaitClock:
-    def __init__(self, device: torch.device, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, device: torch.device, enabled: bool = False):
+        """``enabled``: stamp the waits on CUDA (CPU: always timed)."""
         self.cuda = device.type == "cuda"
+        self.enabled = enabled or not self.cuda  # may be switched between captures (bench_stream)
         self._cpu_ns = 0  # CPU: the pass's copy time so far
         self.in_pass = False  # only a pass's transfers count (not a re-layout's, between passes)
-        if self.cuda and enabled:
+        if self.cuda:
             from kernels.stamp import stamp  # CUDA only: the kernel needs the GPU's timer
 
             self._stamp = stamp

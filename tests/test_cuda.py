@@ -567,11 +567,15 @@ def test_graphed_decode_records_the_ring_wait(tmp_path, monkeypatch):
     m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
     toks = torch.randint(0, 357, (t.PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
     greedy = Sampler(SamplingParams(), "cuda")
-    resident = generate(GraphedModel(m), t.paged(m, "resident"), toks, 20, greedy, prefill_chunk=t.CHUNK).records
+    resident = generate(GraphedModel(m), t.paged(m, "resident", time_waits=True), toks, 20, greedy,
+                        prefill_chunk=t.CHUNK).records
     assert [r.wait_s for r in resident if r.context % 256 != 1] == [0.0] * sum(r.context % 256 != 1 for r in resident)
     _slow_ring(monkeypatch)
-    cache = t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8)
+    cache = t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8, time_waits=True)
     records = generate(GraphedModel(m), cache, toks, 20, greedy, prefill_chunk=t.CHUNK).records
+    untimed = generate(GraphedModel(m), t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8), toks, 4,
+                       greedy, prefill_chunk=t.CHUNK).records
+    assert [r.wait_s for r in untimed] == [None] * 3  # the default on CUDA: not timed
     assert all(r.streamed_pages == 4 for r in records)
     # layer 1's copy starts ~0.1 ms late while layer 0 computes for less than that: each step
     # waits for it, and all of it stays below the step's own time

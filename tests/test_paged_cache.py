@@ -52,9 +52,10 @@ def slabs(model, ring, max_tokens=2048, types=("q8_0", "q4_0")):
     return {"prefill": max(s.values()), "decode": max(s.values())} if model.device.type == "cuda" else s
 
 
-def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048, residency="newest", step=1):
+def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048, residency="newest", step=1,
+          time_waits=False):
     cfg = CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring, residency=residency,
-                      residency_step=step)
+                      residency_step=step, time_waits=time_waits)
     fixed = mib is not None and model.device.type == "cuda"
     return make_cache(cfg, ArenaConfig(mib="auto" if mib is None else str(mib)), model, max_tokens, CHUNK,
                       slabs=slabs(model, ring, max_tokens, types) if fixed else None)
