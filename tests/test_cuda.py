@@ -530,7 +530,7 @@ def test_a_passes_wait_is_device_time_read_after_later_replays_are_queued():
     from kvstream.telemetry import StepStats
     from kvstream.wait_clock import WaitClock
 
-    clock, cycles = WaitClock(torch.device("cuda")), 2_000_000  # ~1 ms at the H200's ~1.9 GHz
+    clock, cycles = WaitClock(torch.device("cuda"), enabled=True), 2_000_000  # ~1 ms at the H200's ~1.9 GHz
     side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     clock.open_pass()
     with torch.cuda.stream(side):
