@@ -578,8 +578,10 @@ def test_graphed_decode_records_the_ring_wait(tmp_path, monkeypatch):
     assert [r.wait_s for r in untimed] == [None] * 3  # the default on CUDA: not timed
     assert all(r.streamed_pages == 4 for r in records)
     # layer 1's copy starts ~0.1 ms late while layer 0 computes for less than that: each step
-    # waits for it, and all of it stays below the step's own time
-    assert all(20e-6 < r.wait_s < r.step_s for r in records), [r.wait_s for r in records]
+    # waits for it. The waits are most of the device's step here, and a step's host-side interval
+    # (step_s, with the host a step ahead) jitters around it: the sums, not each step, compare
+    assert all(r.wait_s > 20e-6 for r in records), [r.wait_s for r in records]
+    assert sum(r.wait_s for r in records) < sum(r.step_s for r in records)
 
 
 def test_no_cache_copies_on_the_capture_stream(tmp_path):
