@@ -32,6 +32,8 @@ from statistics import median
 from kernels.formats import PAGE_TOKENS
 from policies.eject import Action, Snapshot
 
+from .telemetry import StepStats
+
 GOODPUT_WINDOW = 16  # decode batches a state's steady rate looks at
 GOODPUT_MIN = 4      # steady batches in a state before its goodput counts as measured
 CHARGED = 2          # batches after a transition charged to it (graph captures, the draft's catch-up), not to the state
@@ -234,9 +236,12 @@ class DraftControl:
         if action is Action.STAY:
             return action
         before, t0 = self.cache.capacity, time.perf_counter()
-        self.cache.stats.h2d_bytes = 0
-        if self.draft.cache is not None:
-            self.draft.cache.stats.h2d_bytes = 0
+        # the transition's bytes in stats of their own: the caches' current ones may be those of a
+        # step already queued ahead, whose record must keep its own count
+        caches = [c for c in (self.cache, self.draft.cache) if c is not None]
+        kept = [c.stats for c in caches]
+        for c in caches:
+            c.stats = StepStats()
         if action is Action.EJECT:
             self.cache.rearrange(lambda: self.draft.eject(self.cache.arena))
         else:
@@ -244,6 +249,8 @@ class DraftControl:
         moved = self.cache.stats.h2d_bytes
         if action is Action.REENABLE:  # the draft's weights and KV pages came back too
             moved += self.draft.host.nbytes + self.draft.cache.stats.h2d_bytes
+        for c, st in zip(caches, kept):
+            c.stats = st
         self.transitions.append(Transition(step, action.value, snap.pages_per_layer, before, self.cache.capacity,
                                            time.perf_counter() - t0, moved))
         self.since = 0

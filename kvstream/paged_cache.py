@@ -214,6 +214,9 @@ class PagedCache(CacheBase):
         copier = getattr(self, "copier", None)
         if copier is not None and copier.cuda:
             copier.stream.synchronize()
+        clock = getattr(self, "clock", None)
+        if clock is not None:  # its unread passes and it point at each other: read them, which ends that
+            clock.flush()
         for pool in getattr(self, "_pools", ()):
             if pool is not None:
                 pool.pool = None  # its segments go before the arena's bytes can be reused
@@ -428,12 +431,12 @@ class PagedCache(CacheBase):
             raise ValueError(f"a decode batch of {n} tokens is wider than the reserved verify width "
                              f"{self.verify_width} (1 + the most draft tokens); reserve more at cache creation")
         self.stats = StepStats()
-        self.clock.open_pass()
         first, n_pages = self.length // PAGE_TOKENS, -(-(self.length + n) // PAGE_TOKENS)
         if n_pages - first > self.capacity:
             raise ArenaTooSmall(f"a batch of {n} tokens at position {self.length} writes {n_pages - first} pages "
                                 f"per layer but only {self.capacity} fit in the pool; use smaller prefill chunks "
                                 f"or a larger arena")
+        self.clock.open_pass()  # past the gates: a pass that is refused does not open
         touched = range(first, n_pages)
         if n_pages != self._n_pages or any(p not in self.slot for p in touched):
             self._plan(n_pages, upload_below=-(-self.length // PAGE_TOKENS), writing=touched)
@@ -497,8 +500,9 @@ class PagedCache(CacheBase):
             self.copier.wait(0)
 
     def plan_key(self) -> tuple:
-        """What a captured step depends on besides the static buffers: layout and plan."""
-        return (self._layout_version, self._plan_version)
+        """What a captured step depends on besides the static buffers: layout, plan and whether
+        the waits are stamped (a graph keeps the stamps it was captured with)."""
+        return (self._layout_version, self._plan_version, self.clock.enabled)
 
     def ring_copies(self, layer: int, r: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """(ring rows, host rows, ring half) of round ``r`` of the layer group that starts at

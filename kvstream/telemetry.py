@@ -69,7 +69,9 @@ class StepRecord:
 
     @property
     def target_s(self) -> float:
-        """The rest of the step: the target's forward pass, sampling and the host's own work."""
+        """The rest of the step: the target's forward pass, sampling and the host's own work (and
+        the wait, where it was not timed). On CUDA with the host a step ahead, ``step_s`` is a host
+        interval and ``wait_s`` device time: compare sums over steps, not single steps."""
         return self.step_s - self.draft_s - (self.wait_s or 0.0)
 
     def row(self) -> dict:

@@ -24,6 +24,7 @@ from kvstream.speculative import accept, speculative_generate
 from kvstream.speculators.base import Chain
 from kvstream.speculators.draft import DraftModel, VocabMismatch, load_host
 from kvstream.speculators.ngram import NgramSimple
+from kvstream.telemetry import StepStats
 from kvstream.tokenizer import Tokenizer
 from policies.eject import Action, Always, KeepPages, Never, Onset
 from test_paged_cache import SPEC, pair_bytes
@@ -299,6 +300,15 @@ def test_no_transition_after_the_last_token(model, host):
     control = DraftControl(new_draft(host), target_cache(model, arena_mib(model, host, 2)), Scripted(at=1, back=99))
     assert control.after_step(0, 5, 0.008, tokens_left=0) is Action.STAY and not control.transitions
     assert control.after_step(1, 5, 0.008, tokens_left=5) is Action.EJECT  # the policy's first decision
+
+
+def test_a_transition_leaves_the_stats_of_a_step_queued_ahead_alone(model, host):
+    cache = target_cache(model, arena_mib(model, host, 2))
+    control = DraftControl(new_draft(host), cache, Scripted(at=1, back=99))
+    control.after_step(0, 5, 0.008, tokens_left=0)  # no decision after the last token
+    queued = cache.stats = StepStats(h2d_bytes=123)  # the telemetry of a step already on the device
+    assert control.after_step(1, 5, 0.008, tokens_left=5) is Action.EJECT
+    assert cache.stats is queued and queued.h2d_bytes == 123  # the re-layout's uploads counted apart
 
 
 @pytest.mark.parametrize("run_ahead", [False, True])
