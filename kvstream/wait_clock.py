@@ -45,8 +45,9 @@ class WaitClock:
         self.device = device
         self.enabled = enabled or not self.cuda  # may be switched between passes (bench_stream)
         self._cpu_ns = 0  # CPU: the pass's copy time so far
-        self.in_pass = False  # only a pass's transfers count (not a re-layout's, between passes)
-        self._timed = False  # this pass is timed (``enabled`` as it opened)
+        # a pass is open and timed (``enabled`` as it opened): only a pass's transfers count, not a
+        # re-layout's between passes
+        self._timed = False
         self.pending: deque[tuple[int, StepStats]] = deque()  # CUDA: (slot, pass) not read yet, oldest first
         self.passes = 0
         self.acc = None  # CUDA: the pass's sum over waits of (after - before), ns; made when first timed
@@ -61,7 +62,7 @@ class WaitClock:
 
     def open_pass(self) -> None:
         """A forward pass begins: transfers count from here to ``close_pass``."""
-        self.in_pass, self._cpu_ns, self._timed = True, 0, self.enabled
+        self._cpu_ns, self._timed = 0, self.enabled
         if self.cuda and self._timed:
             if self.acc is None:
                 self._buffers()
@@ -70,7 +71,7 @@ class WaitClock:
     @contextlib.contextmanager
     def timing(self):
         """Around a wait or a copy on the compute stream: its length joins the pass's wait."""
-        if not (self._timed and self.in_pass):
+        if not self._timed:
             yield
         elif self.cuda:
             self._stamp(self.acc, -1)
@@ -87,7 +88,7 @@ class WaitClock:
 
     def close_pass(self, stats: StepStats) -> None:
         """The pass whose telemetry is ``stats`` has ended (its device work is queued)."""
-        timed, self.in_pass = self._timed and self.in_pass, False
+        timed, self._timed = self._timed, False
         if not timed:
             stats.wait_ns = None
         elif not self.cuda:
