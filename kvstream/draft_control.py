@@ -242,15 +242,17 @@ class DraftControl:
         kept = [c.stats for c in caches]
         for c in caches:
             c.stats = StepStats()
-        if action is Action.EJECT:
-            self.cache.rearrange(lambda: self.draft.eject(self.cache.arena))
-        else:
-            self.cache.rearrange(lambda: self.draft.pin(self.cache.arena))
-        moved = self.cache.stats.h2d_bytes
-        if action is Action.REENABLE:  # the draft's weights and KV pages came back too
-            moved += self.draft.host.nbytes + self.draft.cache.stats.h2d_bytes
-        for c, st in zip(caches, kept):
-            c.stats = st
+        try:
+            if action is Action.EJECT:
+                self.cache.rearrange(lambda: self.draft.eject(self.cache.arena))
+            else:
+                self.cache.rearrange(lambda: self.draft.pin(self.cache.arena))
+            moved = self.cache.stats.h2d_bytes
+            if action is Action.REENABLE:  # the draft's weights and KV pages came back too
+                moved += self.draft.host.nbytes + self.draft.cache.stats.h2d_bytes
+        finally:
+            for c, st in zip(caches, kept):
+                c.stats = st
         self.transitions.append(Transition(step, action.value, snap.pages_per_layer, before, self.cache.capacity,
                                            time.perf_counter() - t0, moved))
         self.since = 0
