@@ -47,6 +47,14 @@ def ppl(overrides: list[str]) -> dict:
     return row
 
 
+def compared(arm: str, type_k: str, type_v: str, against: str, r: dict) -> dict:
+    """A table row: a ``kvstream-ppl`` run ``r`` compared against the saved log-probs of ``against``."""
+    k = r["kld"]
+    return dict(arm=arm, type_k=type_k, type_v=type_v, against=against, ppl=r["ppl"], ppl_err=r["ppl_err"],
+                ppl_ratio=k["ppl_ratio"], kld_mean=k["kld_mean"], kld_mean_err=k["kld_mean_err"],
+                kld_median=k["kld_median"], kld_99_9=k["kld_99.9"], kld_max=k["kld_max"], same_top1=k["same_top1"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -68,11 +76,7 @@ def main() -> None:
                          ppl_err=r["ppl_err"]))
     for tk, tv in [] if args.stream_only else PAIRS:
         r = ppl(common + ["cache=resident", f"cache.type_k={tk}", f"cache.type_v={tv}", f"compare_logits={base}"])
-        k = r["kld"]
-        rows.append(dict(arm="resident", type_k=tk, type_v=tv, against="contiguous fp32", ppl=r["ppl"],
-                         ppl_err=r["ppl_err"], ppl_ratio=k["ppl_ratio"], kld_mean=k["kld_mean"],
-                         kld_mean_err=k["kld_mean_err"], kld_median=k["kld_median"], kld_99_9=k["kld_99.9"],
-                         kld_max=k["kld_max"], same_top1=k["same_top1"]))
+        rows.append(compared("resident", tk, tv, "contiguous fp32", r))
     # streamed vs resident, q8_0 / q4_0: 2 resident pages per layer, the rest through the ring
     resident = tmp / "resident.lp"
     ppl(common + ["cache=resident", f"save_logits={resident}", "logits_format=float32"])
@@ -84,12 +88,8 @@ def main() -> None:
         mib = (slab + (cfg.n_layers * 2 + ring) * pair + 4096) / MIB
         r = ppl(common + ["cache=stream", f"cache.ring_pages={ring}", f"arena.mib={mib}",
                           f"compare_logits={resident}"])
-        k = r["kld"]
-        rows.append(dict(arm=f"stream ({pages - 2} of {pages} pages/layer streamed, {rounds})", type_k="q8_0",
-                         type_v="q4_0", against="resident q8_0/q4_0", ppl=r["ppl"], ppl_err=r["ppl_err"],
-                         ppl_ratio=k["ppl_ratio"], kld_mean=k["kld_mean"], kld_mean_err=k["kld_mean_err"],
-                         kld_median=k["kld_median"], kld_99_9=k["kld_99.9"], kld_max=k["kld_max"],
-                         same_top1=k["same_top1"]))
+        rows.append(compared(f"stream ({pages - 2} of {pages} pages/layer streamed, {rounds})", "q8_0", "q4_0",
+                             "resident q8_0/q4_0", r))
     df = pd.DataFrame(rows).assign(model=args.model, ctx=args.ctx, n_chunks=args.n_chunks, batch=args.batch,
                                    **provenance(), command=" ".join(["python"] + sys.argv))
     out = Path(args.out)
