@@ -273,13 +273,15 @@ def main() -> None:
             # workspace; and the whole device (driver count, kernel code included) beyond bound
             run_mib = r["torch_reserved_mib"] - cache.slab_pool.segments.bytes / MIB - before_mib
             r.update(run_beyond_arena_mib=run_mib - arena_mib, device_beyond_mib=r["mem_device_mib"] - r["bound_mib"])
-            r.update(wait_share=r.get("wait_ms", float("nan")) / r["step_ms"], timing_cost=r["tok_s_untimed"] / r["tok_s"] - 1)
+            r.update(wait_share=r.get("wait_ms", float("nan")) / r["step_ms"],
+                     timing_cost=r["tok_s_untimed"] / r["tok_s"] - 1)
             rows.append(r)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             del cache
     commit, dirty = git_state()
-    df = pd.DataFrame(rows).assign(stamp_pair_us=stamp_pair_us(dev), model=MODEL, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                                   commit=commit, dirty=dirty, command=" ".join(["python"] + sys.argv))
+    df = pd.DataFrame(rows).assign(stamp_pair_us=stamp_pair_us(dev), model=MODEL, gpu=torch.cuda.get_device_name(),
+                                   torch=torch.__version__, commit=commit, dirty=dirty,
+                                   command=" ".join(["python"] + sys.argv))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "stream_decode.csv", index=False)

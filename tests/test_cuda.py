@@ -547,7 +547,7 @@ def test_a_passes_wait_is_device_time_read_after_later_replays_are_queued():
     end.synchronize()
     sleep_s = start.elapsed_time(end) / 1e3
     passes = []
-    for _ in range(5):  # back to back: pass i's slot is taken again by pass i + 2
+    for _ in range(5):  # back to back: pass i's slot is taken again by pass i + 4 (SLOTS), read first
         clock.open_pass()
         graph.replay()
         passes.append(StepStats())
