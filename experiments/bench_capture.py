@@ -31,11 +31,11 @@ import pandas as pd
 import torch
 
 from experiments.provenance import provenance
-from kvstream.arena import MIB
-from kvstream.cache_factory import make_cache, paged_bytes, phase_slabs
+from kvstream.cache.arena import MIB
+from kvstream.cache.factory import make_cache, paged_bytes, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
-from kvstream.cuda_graph import GraphedModel
-from kvstream.model import load_model
+from kvstream.engine.graphs import GraphedModel
+from kvstream.model.qwen import load_model
 
 SYNC = torch.cuda.synchronize  # this script's own waits, not counted as a capture's
 

@@ -24,7 +24,7 @@ import torch
 from experiments.bench_stream import QWEN15, pinned_ceiling
 from experiments.provenance import git_state
 from kernels.formats import PageFormat
-from kvstream.cudart import copy_rows
+from kvstream.cache.cudart import copy_rows
 
 K_PAGE, V_PAGE = (PageFormat(t, QWEN15.n_kv_heads, QWEN15.head_dim).page_bytes for t in ("q8_0", "q4_0"))
 LAYERS = QWEN15.n_layers

@@ -21,12 +21,12 @@ import pandas as pd
 import torch
 
 from experiments.provenance import git_state
-from kvstream.generate import generate
-from kvstream.loader import open_gguf
-from kvstream.model import load_model
-from kvstream.registry import resolve_model
-from kvstream.sampling import Sampler, SamplingParams
-from kvstream.tokenizer import Tokenizer
+from kvstream.engine.generate import generate
+from kvstream.model.loader import open_gguf
+from kvstream.model.qwen import load_model
+from kvstream.model.registry import resolve_model
+from kvstream.model.sampling import Sampler, SamplingParams
+from kvstream.model.tokenizer import Tokenizer
 
 PROMPT = '"""Utilities for parsing and validating configuration files."""\nimport json\nimport os\n\n\ndef load_config(path):\n'
 

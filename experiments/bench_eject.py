@@ -24,11 +24,11 @@ from hydra import compose, initialize_config_module
 from tqdm import tqdm
 
 from experiments.draft_threshold import StudyConfig, _load, review_prompt
-from kvstream.cache_factory import make_cache
+from kvstream.cache.factory import make_cache
 from kvstream.config import to_typed
-from kvstream.draft_control import DraftControl
-from kvstream.generate import prefill_phase
-from kvstream.runner import DRAFT_HOSTS
+from kvstream.engine.draft_control import DraftControl
+from kvstream.engine.generate import prefill_phase
+from kvstream.engine.runner import DRAFT_HOSTS
 from kvstream.speculators.draft import DraftModel
 from policies.eject import Never
 

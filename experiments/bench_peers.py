@@ -34,11 +34,11 @@ import torch
 from experiments.draft_threshold import review_prompt
 from experiments.provenance import provenance
 from kvstream.config import ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware
-from kvstream.loader import is_skeleton, open_gguf
-from kvstream.model import load_model
-from kvstream.registry import MODELS as REGISTERED, resolve_model, sha256_file
-from kvstream.runner import run_decode
-from kvstream.tokenizer import Tokenizer
+from kvstream.model.loader import is_skeleton, open_gguf
+from kvstream.model.qwen import load_model
+from kvstream.model.registry import MODELS as REGISTERED, resolve_model, sha256_file
+from kvstream.engine.runner import run_decode
+from kvstream.model.tokenizer import Tokenizer
 
 INSTRUCTION = "Review the code above: point out bugs, unclear names and missing tests."
 

@@ -27,11 +27,11 @@ import torch
 
 from experiments.bench_peers import INSTRUCTION, kvstream_config, kvstream_model
 from experiments.draft_threshold import review_prompt
-from kvstream.cache_factory import make_cache
-from kvstream.cuda_graph import GraphedModel
-from kvstream.generate import generate, prefill_phase, sync_device, warm_up
-from kvstream.registry import resolve_model
-from kvstream.sampling import Sampler
+from kvstream.cache.factory import make_cache
+from kvstream.engine.graphs import GraphedModel
+from kvstream.engine.generate import generate, prefill_phase, sync_device, warm_up
+from kvstream.model.registry import resolve_model
+from kvstream.model.sampling import Sampler
 
 PHASES = ("sample", "token", "begin", "commit", "call")
 

@@ -34,13 +34,13 @@ import torch
 
 from experiments.provenance import git_state
 from kernels.formats import PageFormat
-from kvstream.arena import MIB
-from kvstream.cache_factory import make_cache, phase_slabs
+from kvstream.cache.arena import MIB
+from kvstream.cache.factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
-from kvstream.cuda_graph import GraphedModel
-from kvstream.cudart import copy_rows
-from kvstream.loader import ModelConfig, random_weights
-from kvstream.model import Qwen
+from kvstream.engine.graphs import GraphedModel
+from kvstream.cache.cudart import copy_rows
+from kvstream.model.loader import ModelConfig, random_weights
+from kvstream.model.qwen import Qwen
 
 QWEN15 = ModelConfig(arch="qwen2", n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, ffn=8960,
                      vocab_size=151936, rope_base=1e6, rms_eps=1e-6, context_length=131072, tied_output=True)
@@ -158,7 +158,7 @@ def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> d
             times.append(time.perf_counter() - t)
         # back to back, one sync: the host prepares a step while the device runs the one before,
         # as in a decode loop (the next token stays on the device); the decode rate, and each
-        # step's transfer wait as the telemetry reports it (kvstream.wait_clock)
+        # step's transfer wait as the telemetry reports it (kvstream.cache.wait_clock)
         step_s, tok, stats = back_to_back(step, cache, tok, steps)
         waits = [s.wait_s for s in stats]
         # the same without timing the waits (new graphs, captured without the stamp kernels)

@@ -36,14 +36,14 @@ from omegaconf import DictConfig
 
 from experiments.provenance import provenance
 from kvstream.config import GenerateConfig, quote_free_text, to_typed
-from kvstream.gpu_clock import ClockSampler
-from kvstream.loader import is_skeleton, open_gguf
-from kvstream.model import load_model
-from kvstream.perplexity import stdlib_text
-from kvstream.registry import MODELS, resolve_model, sha256_file
-from kvstream.runner import run_decode
+from kvstream.engine.gpu_clock import ClockSampler
+from kvstream.model.loader import is_skeleton, open_gguf
+from kvstream.model.qwen import load_model
+from kvstream.eval.perplexity import stdlib_text
+from kvstream.model.registry import MODELS, resolve_model, sha256_file
+from kvstream.engine.runner import run_decode
 from kvstream.speculators.base import parse_chain_spec
-from kvstream.tokenizer import Tokenizer
+from kvstream.model.tokenizer import Tokenizer
 
 ARMS = ("none", "keep", "onset", "auto", "always", "pages<N>")
 
@@ -230,7 +230,7 @@ def _held_before(device: torch.device) -> int | None:
     ``end_beyond_arena_mib``, from the device's free memory (no double count): what
     the run holds beyond its arena at its end (the draft's compute buffers and captured graphs are
     in its slabs, inside the arena). Neither counts the cuBLAS workspaces of the streams that ran
-    matmuls (the compute stream and the one capture stream, ``cuda_graph.side_stream``): the
+    matmuls (the compute stream and the one capture stream, ``kvstream.cache.streams.side_stream``): the
     cell's warm-up made them, for the process's lifetime."""
     if device.type != "cuda":
         return None

@@ -26,13 +26,13 @@ from hydra import compose, initialize_config_module
 
 from experiments.provenance import provenance
 from kernels.formats import PageFormat
-from kvstream.arena import MIB
-from kvstream.cache_factory import reserve_slab
+from kvstream.cache.arena import MIB
+from kvstream.cache.factory import reserve_slab
 from kvstream.cli.ppl import PplConfig, run
 from kvstream.config import quote_free_text, to_typed
-from kvstream.loader import open_gguf, read_config
-from kvstream.model import load_model
-from kvstream.registry import resolve_model
+from kvstream.model.loader import open_gguf, read_config
+from kvstream.model.qwen import load_model
+from kvstream.model.registry import resolve_model
 
 PAIRS = [("q8_0", "q4_0"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("f16", "f16")]
 

@@ -16,11 +16,11 @@ from dataclasses import replace
 from hydra import compose, initialize_config_module
 
 from experiments.draft_threshold import StudyConfig, _load, arm_config
-from kvstream.arena import MIB
-from kvstream.cache_factory import make_cache
+from kvstream.cache.arena import MIB
+from kvstream.cache.factory import make_cache
 from kvstream.config import quote_free_text, to_typed
-from kvstream.draft_control import DraftControl
-from kvstream.runner import DRAFT_HOSTS, cache_tokens
+from kvstream.engine.draft_control import DraftControl
+from kvstream.engine.runner import DRAFT_HOSTS, cache_tokens
 from kvstream.speculators.draft import DraftModel
 from policies.eject import Never
 

@@ -1,6 +1,6 @@
 """Write a skeleton of a GGUF: every metadata key (architecture, shapes, tokenizer, chat
 template) and one placeholder tensor, no weights. Loading it gives seeded random weights of the
-model's real shapes (``kvstream.loader.random_weights``): timing studies on the GPU machine at
+model's real shapes (``kvstream.model.loader.random_weights``): timing studies on the GPU machine at
 real shapes and with the real tokenizer, without carrying gigabytes of weights there.
 
     python experiments/skeleton_gguf.py qwen2.5-coder-1.5b .models/qwen2.5-coder-1.5b.skeleton.gguf
@@ -13,8 +13,8 @@ import argparse
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from kvstream.loader import SKELETON, open_gguf
-from kvstream.registry import resolve_model
+from kvstream.model.loader import SKELETON, open_gguf
+from kvstream.model.registry import resolve_model
 
 
 def write_skeleton(src, dst) -> None:

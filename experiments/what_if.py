@@ -25,7 +25,7 @@ import pandas as pd
 
 from experiments.cost_model import PAGE, fit_cost_model
 from experiments.crossover import capacity_curve, describe, predict, read_study
-from kvstream.arena import MIB
+from kvstream.cache.arena import MIB
 
 
 def page_bytes(steps: pd.DataFrame) -> float:

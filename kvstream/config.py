@@ -13,7 +13,7 @@ from kernels.formats import KV_TYPES
 from policies import chain_order, draft_length, eject
 from policies.residency import RESIDENCY
 
-from .sampling import SamplingParams
+from kvstream.model.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CACHE_MODES = ("contiguous", "resident", "stream")

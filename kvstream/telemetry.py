@@ -16,7 +16,7 @@ class StepStats:
     rounds: int = 0          # ring rounds per layer
     h2d_bytes: int = 0
     d2h_bytes: int = 0
-    # ns the compute stream waited for (or ran) transfers; None: not timed (kvstream.wait_clock),
+    # ns the compute stream waited for (or ran) transfers; None: not timed (kvstream.cache.wait_clock),
     # or on CUDA not read yet, while ``clock`` is set: ``wait_s`` reads it
     wait_ns: int | None = 0
     clock: object = field(default=None, repr=False, compare=False)

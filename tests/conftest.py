@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvstream import registry
+from kvstream.model import registry
 
 
 @pytest.fixture(autouse=True)

@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 
 from kvstream.cli.generate import FREE_TEXT, run
 from kvstream.config import GenerateConfig, quote_free_text, to_typed
-from kvstream.generate import generate
-from kvstream.model import load_model
-from kvstream.sampling import Sampler, SamplingParams
-from kvstream.tokenizer import Tokenizer
+from kvstream.engine.generate import generate
+from kvstream.model.qwen import load_model
+from kvstream.model.sampling import Sampler, SamplingParams
+from kvstream.model.tokenizer import Tokenizer
 from tiny_gguf import write_tiny_model
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -85,7 +85,7 @@ def test_bad_settings_name_the_key_and_the_value(override, message):
 
 def test_every_mode_refuses_a_context_beyond_the_model(tiny):
     """The contiguous cache too (it was built before the check): RoPE past the trained context."""
-    from kvstream.cache_factory import make_cache
+    from kvstream.cache.factory import make_cache
     model = load_model(tiny)
     n = model.cfg.context_length + 1
     for mode in ("contiguous", "resident"):
@@ -96,7 +96,7 @@ def test_every_mode_refuses_a_context_beyond_the_model(tiny):
 
 def test_the_ring_size_must_be_a_number_or_auto(tiny):
     """make_cache checks it too, for callers whose CacheConfig was changed after its checks ran."""
-    from kvstream.cache_factory import make_cache
+    from kvstream.cache.factory import make_cache
     cfg = cfg_for("cache=stream")
     cfg.cache.ring_pages = "abc"
     with pytest.raises(ValueError, match="cache.ring_pages='abc': give a number of ring slots"):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvstream.cli.generate import run
-from kvstream.generate import generate
-from kvstream.model import load_model
-from kvstream.sampling import Sampler, SamplingParams
+from kvstream.engine.generate import generate
+from kvstream.model.qwen import load_model
+from kvstream.model.sampling import Sampler, SamplingParams
 from test_cli import cfg_for
 from tiny_gguf import TinySpec, write_tiny_model
 
@@ -65,14 +65,14 @@ def test_cuda_pinned_draft_is_lossless_and_cycles_leave_memory_flat(tmp_path):
     """The draft's weights and KV as arena views on the device; eject / re-enable mid-run;
     200 more cycles leave the arena accounting and the allocated device memory unchanged."""
     import test_draft as t
-    from kvstream.arena import MIB, Arena
-    from kvstream.cache_factory import make_cache
+    from kvstream.cache.arena import MIB, Arena
+    from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
-    from kvstream.draft_control import DraftControl
-    from kvstream.speculative import speculative_generate
+    from kvstream.engine.draft_control import DraftControl
+    from kvstream.engine.speculative import speculative_generate
     from kvstream.speculators.base import Chain
     from kvstream.speculators.draft import DraftModel, load_host
-    from kvstream.tokenizer import Tokenizer
+    from kvstream.model.tokenizer import Tokenizer
 
     target_file, draft_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC), write_tiny_model(tmp_path / "d.gguf", t.DRAFT_SPEC)
     m = load_model(target_file, torch.float32, "cuda")
@@ -104,7 +104,7 @@ def test_graphed_decode_is_bit_identical_to_eager(tmp_path, mode, ring, pages):
     """Captured decode steps (resident; streaming in one round; in several rounds, copies inside
     the graph) give the eager logits bit for bit, across page boundaries (new plans)."""
     import test_paged_cache as t
-    from kvstream.cuda_graph import GraphedModel
+    from kvstream.engine.graphs import GraphedModel
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
     toks = torch.randint(0, 357, (t.PROMPT + t.DECODE,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -126,7 +126,7 @@ def test_graphed_decode_with_a_residency_step_captures_once_per_plan(tmp_path, r
     instead of four times, and the logits equal the eager decode's bit for bit, the replays at
     the kept plan included (several rounds: their round keys and split counts kept too)."""
     import test_paged_cache as t
-    from kvstream.cuda_graph import GraphedModel
+    from kvstream.engine.graphs import GraphedModel
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
     decode, max_tokens = 700, 3072
@@ -146,7 +146,7 @@ def test_graphed_layer_groups_match_resident(tmp_path):
     """Three layers, two sharing each 2-D ring copy (rows from the pinned host store): eager
     and graphed steps give the resident logits bit for bit (one round per layer)."""
     import test_paged_cache as t
-    from kvstream.cuda_graph import GraphedModel
+    from kvstream.engine.graphs import GraphedModel
 
     spec = TinySpec(**{**t.SPEC.__dict__, "n_layers": 3})
     m = load_model(write_tiny_model(tmp_path / "m.gguf", spec), torch.float32, "cuda")
@@ -165,8 +165,8 @@ def _slow_ring(monkeypatch, cycles: int = 200_000) -> None:
     the copy or compute stream, captured with the step): a read that does not wait for its copy,
     or a copy that does not wait for the last reader of its half, then sees or clobbers the
     wrong pages instead of winning the race by luck."""
-    from kvstream.cudart import copy_rows
-    from kvstream.paged_cache import _Copier
+    from kvstream.cache.cudart import copy_rows
+    from kvstream.cache.paged import _Copier
 
     def copy(self, dst, src, half):
         with torch.cuda.stream(self.stream):
@@ -191,7 +191,7 @@ def test_slow_ring_copies_and_reads_still_match_resident(tmp_path, monkeypatch, 
     with every copy and every ring read delayed: the resident logits, bit for bit (several
     rounds too, as in test_cuda_streaming_matches_resident)."""
     import test_paged_cache as t
-    from kvstream.cuda_graph import GraphedModel
+    from kvstream.engine.graphs import GraphedModel
 
     spec = TinySpec(**{**t.SPEC.__dict__, "n_layers": 3})
     m = load_model(write_tiny_model(tmp_path / "m.gguf", spec), torch.float32, "cuda")
@@ -210,15 +210,15 @@ def test_slow_ring_copies_and_reads_still_match_resident(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("eject", [False, True, "measure_plain"])
 def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     import test_draft as t
-    from kvstream.arena import MIB, Arena
-    from kvstream.cache_factory import make_cache
+    from kvstream.cache.arena import MIB, Arena
+    from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
-    from kvstream.cuda_graph import GraphedModel
-    from kvstream.draft_control import DraftControl
-    from kvstream.speculative import speculative_generate
+    from kvstream.engine.graphs import GraphedModel
+    from kvstream.engine.draft_control import DraftControl
+    from kvstream.engine.speculative import speculative_generate
     from kvstream.speculators.base import Chain
     from kvstream.speculators.draft import DraftModel, load_host
-    from kvstream.tokenizer import Tokenizer
+    from kvstream.model.tokenizer import Tokenizer
 
     target_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
     m = load_model(target_file, torch.float32, "cuda")
@@ -243,15 +243,15 @@ def test_a_reenabled_draft_replays_its_graphs(tmp_path):
     """An eject and a re-enable pin the draft at the same addresses: its captured steps replay (no
     new capture) and draft what they drafted before, though the target's pages took those bytes."""
     import test_draft as t
-    from kvstream.arena import MIB, Arena
-    from kvstream.cache_factory import make_cache
+    from kvstream.cache.arena import MIB, Arena
+    from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
-    from kvstream.cuda_graph import GraphedModel
-    from kvstream.draft_control import DraftControl
-    from kvstream.speculative import speculative_generate
+    from kvstream.engine.graphs import GraphedModel
+    from kvstream.engine.draft_control import DraftControl
+    from kvstream.engine.speculative import speculative_generate
     from kvstream.speculators.base import Chain
     from kvstream.speculators.draft import DraftModel, load_host
-    from kvstream.tokenizer import Tokenizer
+    from kvstream.model.tokenizer import Tokenizer
     from policies.eject import Never
 
     target_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
@@ -283,15 +283,15 @@ def test_a_pinned_drafts_buffers_and_graphs_live_in_the_arena(tmp_path):
     slab, catch-up chunks ran in the catch-up slab, and a speculative run adds beyond the arena
     only the callers' copies of the logits (results/draft_memory_h200: 110 MiB before)."""
     import test_draft as t
-    from kvstream.arena import MIB, Arena
-    from kvstream.cache_factory import make_cache
+    from kvstream.cache.arena import MIB, Arena
+    from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
-    from kvstream.cuda_graph import GraphedModel
-    from kvstream.draft_control import DraftControl
-    from kvstream.speculative import speculative_generate
+    from kvstream.engine.graphs import GraphedModel
+    from kvstream.engine.draft_control import DraftControl
+    from kvstream.engine.speculative import speculative_generate
     from kvstream.speculators.base import Chain
     from kvstream.speculators.draft import DraftModel, load_host
-    from kvstream.tokenizer import Tokenizer
+    from kvstream.model.tokenizer import Tokenizer
     from policies.eject import Never
 
     target_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
@@ -347,10 +347,10 @@ def test_graphed_decode_matches_eager_at_32k(tmp_path, dtype):
     """After a 32000-token prompt (a whole number of pages, the last prefill chunk partial, as in
     the runs that disagreed), graphed and eager decode steps give the same logits bit for bit
     (finite: a stale page once made one of them emit token 0 from the second token on)."""
-    from kvstream.cache_factory import make_cache
+    from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
-    from kvstream.cuda_graph import GraphedModel
-    from kvstream.generate import prefill
+    from kvstream.engine.graphs import GraphedModel
+    from kvstream.engine.generate import prefill
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", LONG), dtype, "cuda")
     toks = torch.randint(0, 357, (32000 + 8,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -377,12 +377,12 @@ def test_every_streaming_plan_fits_the_reserved_decode_slab(tmp_path):
     1.5B study failed at 18432 tokens only (a 20 MiB segment refused beside 22 MiB in use).
     It passed on the H200 after the fix; whether these shapes reach that failure without the fix
     was not run."""
-    from kvstream.arena import ALIGN
-    from kvstream.cache_factory import make_cache, phase_slabs
+    from kvstream.cache.arena import ALIGN
+    from kvstream.cache.factory import make_cache, phase_slabs
     from kvstream.config import ArenaConfig, CacheConfig
-    from kvstream.cuda_graph import GraphedModel
+    from kvstream.engine.graphs import GraphedModel
     from kernels.formats import PageFormat
-    from kvstream.generate import prefill, warm_widths
+    from kvstream.engine.generate import prefill, warm_widths
 
     spec = replace(LONG, n_layers=28)  # the 1.5B's layers: pages, not the prefill slab, fill the arena
     m = load_model(write_tiny_model(tmp_path / "m.gguf", spec), torch.float16, "cuda")
@@ -414,9 +414,9 @@ def test_host_store_holds_every_committed_page_after_a_long_prefill(tmp_path, dt
     page on the host equals its device copy byte for byte, and so do the pages the phase switch
     re-uploads from the host. On the H200 15 / 196 pages (bf16 / fp32) differed while the copy
     did not wait for the kernels that wrote its source (a wait on the copy stream itself)."""
-    from kvstream.cache_factory import make_cache
+    from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
-    from kvstream.generate import prefill
+    from kvstream.engine.generate import prefill
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", LONG), dtype, "cuda")
     toks = torch.randint(0, 357, (32000,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -428,7 +428,7 @@ def test_host_store_holds_every_committed_page_after_a_long_prefill(tmp_path, dt
 
 
 def test_copy_rows_writes_a_strided_pinned_view_from_strided_device_rows():
-    from kvstream.cudart import copy_rows
+    from kvstream.cache.cudart import copy_rows
 
     g = torch.Generator().manual_seed(0)
     host = torch.randint(0, 256, (5, 7, 100), dtype=torch.uint8, generator=g).pin_memory()
@@ -450,7 +450,7 @@ def test_run_ahead_decode_matches_step_by_step_and_keeps_the_host_store(tmp_path
     under the next step) gives the step-by-step tokens, across a page boundary, and leaves every
     page on the host equal to the device's, the partial last one included."""
     import test_paged_cache as t
-    from kvstream.cuda_graph import GraphedModel
+    from kvstream.engine.graphs import GraphedModel
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
     toks = torch.randint(0, 357, (t.PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -478,8 +478,8 @@ def test_slab_pool_serves_segments_from_its_region_and_names_the_numbers():
     """torch's allocator over a region: blocks land inside it (never at its first byte, where
     the buffer's own block starts), a segment that does not fit is ArenaTooSmall with the
     sizes, and closing gives every segment back."""
-    from kvstream.arena import ArenaTooSmall
-    from kvstream.slab_pool import SlabPool
+    from kvstream.cache.arena import ArenaTooSmall
+    from kvstream.cache.slab_pool import SlabPool
 
     buf = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
     lo, hi = buf.data_ptr(), buf.data_ptr() + (4 << 20)
@@ -502,7 +502,7 @@ def test_decode_buffers_and_captured_graphs_live_in_the_arena(tmp_path):
     every captured step's output lies in the arena, and the device memory the run adds beyond
     the arena is only the caller's copies of the logits."""
     import test_paged_cache as t
-    from kvstream.cuda_graph import GraphedModel
+    from kvstream.engine.graphs import GraphedModel
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
     toks = torch.randint(0, 357, (t.PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -528,7 +528,7 @@ def test_a_passes_wait_is_device_time_read_after_later_replays_are_queued():
     """The stamps measure in device time inside a captured graph, and each pass reads its own
     total although the next replays (which reuse its pinned slot) were queued before it was read."""
     from kvstream.telemetry import StepStats
-    from kvstream.wait_clock import WaitClock
+    from kvstream.cache.wait_clock import WaitClock
 
     clock, cycles = WaitClock(torch.device("cuda"), enabled=True), 2_000_000  # ~1 ms at the H200's ~1.9 GHz
     side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
@@ -562,7 +562,7 @@ def test_graphed_decode_records_the_ring_wait(tmp_path, monkeypatch):
     """Run-ahead graphed decode: every streaming step waits for ring copies made slow (~0.1 ms
     late each), and its record says so; resident steps that open no page wait for nothing, 0 s."""
     import test_paged_cache as t
-    from kvstream.cuda_graph import GraphedModel
+    from kvstream.engine.graphs import GraphedModel
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
     toks = torch.randint(0, 357, (t.PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -589,7 +589,7 @@ def test_no_cache_copies_on_the_capture_stream(tmp_path):
     round to the capture stream after enough caches (the reserve passes make some too), and the
     captured step then ran its copies in line with its kernels."""
     import test_paged_cache as t
-    from kvstream.cuda_graph import side_stream
+    from kvstream.cache.streams import side_stream
 
     m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
     side = side_stream(m.device).cuda_stream

@@ -12,20 +12,20 @@ import pytest
 import torch
 
 from kernels.formats import PAGE_TOKENS
-from kvstream.arena import ALIGN, MIB, Arena
-from kvstream.cache_factory import make_cache, reserve_slab
-from kvstream.paged_cache import both_slabs_bytes
+from kvstream.cache.arena import ALIGN, MIB, Arena
+from kvstream.cache.factory import make_cache, reserve_slab
+from kvstream.cache.paged import both_slabs_bytes
 from kvstream.config import ArenaConfig, CacheConfig
-from kvstream.draft_control import CHARGED, GOODPUT_MIN, PLAIN_CHARGED, DraftControl, Transition
-from kvstream.generate import generate
-from kvstream.model import load_model
-from kvstream.sampling import Sampler, SamplingParams
-from kvstream.speculative import accept, speculative_generate
+from kvstream.engine.draft_control import CHARGED, GOODPUT_MIN, PLAIN_CHARGED, DraftControl, Transition
+from kvstream.engine.generate import generate
+from kvstream.model.qwen import load_model
+from kvstream.model.sampling import Sampler, SamplingParams
+from kvstream.engine.speculative import accept, speculative_generate
 from kvstream.speculators.base import Chain
 from kvstream.speculators.draft import DraftModel, VocabMismatch, load_host
 from kvstream.speculators.ngram import NgramSimple
 from kvstream.telemetry import StepStats
-from kvstream.tokenizer import Tokenizer
+from kvstream.model.tokenizer import Tokenizer
 from policies.eject import Action, Always, KeepPages, Never, Onset
 from test_paged_cache import SPEC, pair_bytes
 from tiny_gguf import TinySpec, write_tiny_model
@@ -289,7 +289,7 @@ def test_a_transition_is_charged_with_its_slow_first_batches(model, host):
 
 def test_auto_settle_must_cover_a_measured_stint():
     from kvstream.config import PolicyConfig
-    from kvstream.runner import eject_policy
+    from kvstream.engine.runner import eject_policy
     assert eject_policy(PolicyConfig(eject="auto", settle=6)).inner.settle == 6
     with pytest.raises(ValueError, match=r"policy.settle=5: auto needs at least 6 batches in a state"):
         eject_policy(PolicyConfig(eject="auto", settle=5))

@@ -16,7 +16,7 @@ import conf
 from experiments.draft_threshold import StudyConfig, analyze, arm_config, review_prompt, run_cell
 from kvstream.cli.ppl import PplConfig
 from kvstream.config import GenerateConfig, to_typed
-from kvstream.tokenizer import Tokenizer
+from kvstream.model.tokenizer import Tokenizer
 from test_draft import DRAFT_SPEC
 from test_paged_cache import SPEC
 from tiny_gguf import write_tiny_model

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from kvstream.gpu_clock import ClockSampler
+from kvstream.engine.gpu_clock import ClockSampler
 
 
 def test_samples_in_the_background_until_the_block_ends():

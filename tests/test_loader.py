@@ -8,8 +8,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 
-from kvstream.loader import GGUFError, load_weights, open_gguf, read_config
-from kvstream.model import load_model
+from kvstream.model.loader import GGUFError, load_weights, open_gguf, read_config
+from kvstream.model.qwen import load_model
 from tiny_gguf import TinySpec, write_tiny_model
 from tiny_vocab import add_tiny_vocab
 

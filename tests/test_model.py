@@ -6,9 +6,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from kvstream.generate import generate, prefill
-from kvstream.model import load_model
-from kvstream.sampling import Sampler, SamplingParams
+from kvstream.engine.generate import generate, prefill
+from kvstream.model.qwen import load_model
+from kvstream.model.sampling import Sampler, SamplingParams
 from tiny_gguf import TinySpec, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -74,7 +74,7 @@ def test_real_qwen05_greedy_64_matches_transformers(qwen05_path):
     ours = load_model(qwen05_path, torch.float32, "cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         qwen05_path.parent, gguf_file=qwen05_path.name, dtype=torch.float32).eval()
-    from kvstream.tokenizer import Tokenizer
+    from kvstream.model.tokenizer import Tokenizer
 
     prompt = Tokenizer.from_gguf(qwen05_path).encode("def quicksort(a):\n    \"\"\"Sort a list of numbers.\"\"\"\n")
     mine = generate(ours, ours.new_cache(len(prompt) + 64), prompt, 64, Sampler(SamplingParams(temperature=0)),

@@ -7,13 +7,13 @@ import torch
 
 from kernels import reference
 from kernels.formats import PAGE_TOKENS, PageFormat
-from kvstream.arena import ALIGN, MIB, Arena, ArenaTooSmall
-from kvstream.cache import ContextOverflow, causal_attention
-from kvstream.cache_factory import make_cache, phase_slabs
+from kvstream.cache.arena import ALIGN, MIB, Arena, ArenaTooSmall
+from kvstream.cache.contiguous import ContextOverflow, causal_attention
+from kvstream.cache.factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
-from kvstream.generate import prefill
-from kvstream.model import load_model
-from kvstream.paged_cache import PagedCache, copy_runs, group_size
+from kvstream.engine.generate import prefill
+from kvstream.model.qwen import load_model
+from kvstream.cache.paged import PagedCache, copy_runs, group_size
 from policies.residency import RESIDENCY
 from tiny_gguf import TinySpec, write_tiny_model
 
@@ -372,7 +372,7 @@ def test_gates_name_the_numbers(model):
 def test_a_host_store_beyond_the_hosts_memory_is_refused(monkeypatch):
     """Pinned pages cannot swap: a store larger than the host's available memory is refused
     with both numbers before anything is allocated."""
-    from kvstream import host_store
+    from kvstream.cache import host_store
 
     monkeypatch.setattr(host_store, "available_host_bytes", lambda: 64 * 2**20)
     fmt = PageFormat("q8_0", 2, 128)
@@ -392,8 +392,8 @@ def test_decode_batch_wider_than_the_verify_width_is_refused(model, tokens):
 
 
 def test_generate_records_one_telemetry_row_per_decode_step(model, tokens):
-    from kvstream.generate import generate
-    from kvstream.sampling import Sampler, SamplingParams
+    from kvstream.engine.generate import generate
+    from kvstream.model.sampling import Sampler, SamplingParams
 
     cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
     g = generate(model, cache, tokens[:PROMPT], 6, Sampler(SamplingParams()), prefill_chunk=CHUNK)
@@ -406,8 +406,8 @@ def test_generate_records_one_telemetry_row_per_decode_step(model, tokens):
 def test_run_ahead_generation_equals_step_by_step_and_rolls_back_after_a_stop(model, tokens):
     """generate(run_ahead=True), what CUDA runs, queues each step before reading the token that
     feeds it; on a stop token the step queued after it is rolled back."""
-    from kvstream.generate import generate
-    from kvstream.sampling import Sampler, SamplingParams
+    from kvstream.engine.generate import generate
+    from kvstream.model.sampling import Sampler, SamplingParams
 
     def gen(ahead, stop=()):
         cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)

@@ -15,8 +15,8 @@ from hydra import compose, initialize_config_module
 
 from kvstream.cli.ppl import PplConfig, run
 from kvstream.config import to_typed
-from kvstream.model import load_model
-from kvstream.perplexity import LogprobFile, LogprobFileError, perplexity, split_chunks, stdlib_text
+from kvstream.model.qwen import load_model
+from kvstream.eval.perplexity import LogprobFile, LogprobFileError, perplexity, split_chunks, stdlib_text
 from tiny_gguf import TinySpec, write_tiny_model
 
 # head_dim 64 (what the paged kernels support), GQA 2
@@ -206,7 +206,7 @@ def test_command_line(files):
 def test_quantized_and_streamed_caches_against_the_contiguous_base(tmp_path):
     """The quantization cost (q8_0/q4_0 vs the dense cache) is a small KLD; streaming with one
     ring round reads the same bytes as resident mode, so its KLD against resident is exactly 0."""
-    from kvstream.cache_factory import reserve_slab
+    from kvstream.cache.factory import reserve_slab
     from test_paged_cache import SPEC, pair_bytes
 
     path = write_tiny_model(tmp_path / "long.gguf", SPEC)  # head_dim 64, 4096-token context
@@ -219,7 +219,7 @@ def test_quantized_and_streamed_caches_against_the_contiguous_base(tmp_path):
     # an arena for 2 of a chunk's 3 pages per layer: the oldest page streams through the ring
     model = load_model(path)
     mib = (reserve_slab(model, 100) + (SPEC.n_layers * 2 + 8) * pair_bytes() + 4096) / 2**20
-    from kvstream.cache_factory import make_cache
+    from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
     ring8 = CacheConfig(mode="stream", ring_pages="8")
     assert make_cache(ring8, ArenaConfig(mib=str(mib)), model, 600, 100).capacity == 2

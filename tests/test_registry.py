@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvstream import registry
+from kvstream.model import registry
 
 
 def make_parts(tmp_path, monkeypatch, chunks: list[bytes], prefix="fakepart") -> list[str]:

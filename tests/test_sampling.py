@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvstream.sampling import Sampler, SamplingParams, filter_logits
+from kvstream.model.sampling import Sampler, SamplingParams, filter_logits
 
 
 def llama_cpp_keep(logits: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstream.generate import generate
-from kvstream.model import load_model
-from kvstream.sampling import Sampler, SamplingParams
-from kvstream.speculative import accept, speculative_generate
+from kvstream.engine.generate import generate
+from kvstream.model.qwen import load_model
+from kvstream.model.sampling import Sampler, SamplingParams
+from kvstream.engine.speculative import accept, speculative_generate
 from kvstream.speculators.base import Chain, Speculator
 from kvstream.speculators.ngram import NgramSimple
 from test_paged_cache import SPEC, paged
@@ -29,7 +29,7 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17, 18] * 97 + [11, 12, 13]  # 779 tokens (4 p
 def _streamed_cache(model):
     """A paged cache that streams during decode (3 resident pages per layer of the 4 the run
     needs), reserved for verify batches of 1 + 8 tokens."""
-    from kvstream.cache_factory import make_cache, reserve_slab
+    from kvstream.cache.factory import make_cache, reserve_slab
     from kvstream.config import ArenaConfig, CacheConfig
     from test_paged_cache import pair_bytes
     mib = (reserve_slab(model, 32) + (SPEC.n_layers * 2 + 4) * pair_bytes() + 4096) / 2**20  # fits prefill

@@ -1,4 +1,4 @@
-"""kvstream.tokenizer against transformers' GGUF tokenizer, on a tiny GGUF and on the real 0.5B one.
+"""kvstream.model.tokenizer against transformers' GGUF tokenizer, on a tiny GGUF and on the real 0.5B one.
 
 The real-model tests (mark ``real_model``) are skipped when the 0.5B's extra is not installed.
 """
@@ -11,8 +11,8 @@ import gguf
 import jinja2
 import pytest
 
-from kvstream.loader import GGUFError
-from kvstream.tokenizer import StreamDecoder, Tokenizer, TokenizerError, gguf_metadata
+from kvstream.model.loader import GGUFError
+from kvstream.model.tokenizer import StreamDecoder, Tokenizer, TokenizerError, gguf_metadata
 from tiny_vocab import add_tiny_vocab, tiny_vocab
 
 
@@ -188,7 +188,7 @@ def test_tiny_vocab_is_valid():
 
 
 def _byte_symbols():
-    from kvstream.tokenizer import bytes_to_unicode
+    from kvstream.model.tokenizer import bytes_to_unicode
 
     table = bytes_to_unicode()
     assert sorted(table) == list(range(256)) and table[ord("!")] == "!" and table[ord(" ")] == "Ġ"

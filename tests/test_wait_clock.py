@@ -1,4 +1,4 @@
-"""Transfer-wait telemetry (kvstream.wait_clock): what a pass waited for, split out of its step."""
+"""Transfer-wait telemetry (kvstream.cache.wait_clock): what a pass waited for, split out of its step."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kernels.stamp import stamp
-from kvstream.generate import generate
-from kvstream.sampling import Sampler, SamplingParams
+from kvstream.engine.generate import generate
+from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.telemetry import StepRecord, StepStats
-from kvstream.wait_clock import WaitClock
+from kvstream.cache.wait_clock import WaitClock
 from test_paged_cache import CHUNK, PROMPT, model, paged, small_arena_mib, tokens  # noqa: F401 (fixtures)
 
 

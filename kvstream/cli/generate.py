@@ -11,12 +11,12 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from ..config import GenerateConfig, quote_free_text, to_typed
-from ..loader import open_gguf
-from ..model import load_model
-from ..registry import resolve_model
-from ..runner import run_decode
-from ..tokenizer import StreamDecoder, Tokenizer
+from kvstream.config import GenerateConfig, quote_free_text, to_typed
+from kvstream.model.loader import open_gguf
+from kvstream.model.qwen import load_model
+from kvstream.model.registry import resolve_model
+from kvstream.engine.runner import run_decode
+from kvstream.model.tokenizer import StreamDecoder, Tokenizer
 
 
 # values taken literally: free text, and speculator chains (commas would read as a Hydra sweep)

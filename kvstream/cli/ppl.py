@@ -4,7 +4,7 @@
     kvstream-ppl model=qwen2.5-coder-0.5b hardware.dtype=bfloat16 compare_logits=base.lp out_json=ppl.jsonl
     kvstream-ppl cache=stream arena.mib=64 compare_logits=base.lp   # quantized, streamed KV vs the base
 
-The computation and the log-prob file format are described in :mod:`kvstream.perplexity`.
+The computation and the log-prob file format are described in :mod:`kvstream.eval.perplexity`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from ..cache_factory import make_cache
-from ..config import ArenaConfig, CacheConfig, Hardware, ModelSource, to_typed
-from ..loader import open_gguf, read_config
-from ..model import load_model
-from ..perplexity import (LOGITS_FORMATS, STDLIB_MODULES, LogprobFile, check_run, perplexity, split_chunks,
+from kvstream.cache.factory import make_cache
+from kvstream.config import ArenaConfig, CacheConfig, Hardware, ModelSource, to_typed
+from kvstream.model.loader import open_gguf, read_config
+from kvstream.model.qwen import load_model
+from kvstream.eval.perplexity import (LOGITS_FORMATS, STDLIB_MODULES, LogprobFile, check_run, perplexity, split_chunks,
                           stdlib_text)
-from ..registry import resolve_model
-from ..tokenizer import Tokenizer
+from kvstream.model.registry import resolve_model
+from kvstream.model.tokenizer import Tokenizer
 
 
 @dataclass

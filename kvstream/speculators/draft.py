@@ -29,16 +29,16 @@ import torch
 
 from kernels.decode_attention import MAX_N_Q
 
-from ..arena import ALIGN, Arena
-from ..cache_factory import paged_bytes, slabs_for
-from ..cuda_graph import GraphedModel, warm_widths
-from ..loader import open_gguf
-from ..model import Qwen, load_model
-from ..paged_cache import PagedCache, both_slabs_bytes
-from ..readback import Readback
-from ..sampling import Sampler, SamplingParams
-from ..tokenizer import gguf_metadata
-from .base import Speculator, register
+from kvstream.cache.arena import ALIGN, Arena
+from kvstream.cache.factory import paged_bytes, slabs_for
+from kvstream.engine.graphs import GraphedModel, warm_widths
+from kvstream.model.loader import open_gguf
+from kvstream.model.qwen import Qwen, load_model
+from kvstream.cache.paged import PagedCache, both_slabs_bytes
+from kvstream.engine.readback import Readback
+from kvstream.model.sampling import Sampler, SamplingParams
+from kvstream.model.tokenizer import gguf_metadata
+from kvstream.speculators.base import Speculator, register
 
 TOKENS = "tokenizer.ggml.tokens"
 

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import Speculator, register
+from kvstream.speculators.base import Speculator, register
 
 __all__ = ["NgramMapK", "NgramMod", "NgramModTable", "NgramSimple"]
 

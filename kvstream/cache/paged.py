@@ -31,15 +31,15 @@ from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS, PageFormat
 from policies.residency import NewestResident
 
-from .arena import ALIGN, Arena, ArenaTooSmall, Layout
-from .cache import CacheBase, ContextOverflow, causal_attention
-from .cuda_graph import copy_stream
-from .cudart import copy_rows
-from .host_store import HostStore
-from .kv_ops import KVOps
-from .slab_pool import SlabPool
-from .telemetry import StepStats
-from .wait_clock import WaitClock
+from kvstream.cache.arena import ALIGN, Arena, ArenaTooSmall, Layout
+from kvstream.cache.contiguous import CacheBase, ContextOverflow, causal_attention
+from kvstream.cache.streams import copy_stream
+from kvstream.cache.cudart import copy_rows
+from kvstream.cache.host_store import HostStore
+from kvstream.cache.kv_ops import KVOps
+from kvstream.cache.slab_pool import SlabPool
+from kvstream.telemetry import StepStats
+from kvstream.cache.wait_clock import WaitClock
 
 MODES = ("resident", "stream")
 # an automatic ring's halves grow up to this much into bytes no resident page can use: on the
@@ -168,7 +168,7 @@ class PagedCache(CacheBase):
         self.both_slabs = both_slabs
         self.verify_width = verify_width  # the widest decode batch the decode slab was reserved for
         self.phase = "prefill"
-        # static step buffers, written in place by begin: a captured step (kvstream.cuda_graph)
+        # static step buffers, written in place by begin: a captured step (kvstream.engine.graphs)
         # reads them. One tensor (positions, every layer's slots, the length), so a decode step
         # fills it with one host->device copy instead of ~10 small kernels
         w = MAX_N_Q

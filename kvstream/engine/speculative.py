@@ -33,10 +33,10 @@ from tqdm import tqdm
 from policies.chain_order import ChainSnapshot
 from policies.draft_length import Fixed, LengthSnapshot
 
-from .generate import Generation, GenerationStats, sync_device, prefill_phase, warm_up
-from .readback import Readback
-from .sampling import Sampler
-from .telemetry import StepRecord
+from kvstream.engine.generate import Generation, GenerationStats, sync_device, prefill_phase, warm_up
+from kvstream.engine.readback import Readback
+from kvstream.model.sampling import Sampler
+from kvstream.telemetry import StepRecord
 
 
 def accept(logits: torch.Tensor, draft: list[int], sampler: Sampler, q: torch.Tensor | None = None,
@@ -87,7 +87,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
                          on_token: Callable[[int], None] | None = None, synthetic_acceptance: float | None = None,
                          length_policy=None, order_policy=None, control=None, progress: bool = False,
                          run_ahead: bool | None = None) -> Generation:
-    """Generate like :func:`kvstream.generate.generate`, drafting with ``chain``. ``n_max`` caps
+    """Generate like :func:`kvstream.engine.generate.generate`, drafting with ``chain``. ``n_max`` caps
     the draft (a verify batch is at most 1 + n_max tokens); ``length_policy`` picks each
     round's length, ``order_policy`` the chain's order, ``control`` ejects / re-enables a
     pinned draft model (``DraftControl``).
@@ -128,7 +128,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         # the last round is not cut to the tokens left, only to the cache's room: at the usual width
         # it replays a captured graph, where a narrower one captures a new graph (31-56 ms on the H200
         # after a re-layout, results/draft_threshold_h200_final3/README.md); what runs past the end
-        # is dropped below (kvstream.runner sizes the cache n_max tokens past the end for it)
+        # is dropped below (kvstream.engine.runner sizes the cache n_max tokens past the end for it)
         n = min(n_round, cache.max_tokens - cache.length - 1)
         draft = chain.propose(prompt + out, n) if n > 0 and not plain else []
         draft_s = time.perf_counter() - ts

@@ -11,17 +11,17 @@ from dataclasses import dataclass
 
 from policies import chain_order, draft_length, eject
 
-from .cache_factory import make_cache
-from .config import GenerateConfig, PolicyConfig
-from .cuda_graph import GraphedModel
-from .draft_control import CHARGED, GOODPUT_MIN, DraftControl
-from .generate import Generation, generate
-from .registry import resolve_model
-from .sampling import Sampler
-from .speculative import speculative_generate
-from .speculators.base import Chain, build_chain, parse_chain_spec
-from .speculators.draft import load_host
-from .tokenizer import Tokenizer
+from kvstream.cache.factory import make_cache
+from kvstream.config import GenerateConfig, PolicyConfig
+from kvstream.engine.graphs import GraphedModel
+from kvstream.engine.draft_control import CHARGED, GOODPUT_MIN, DraftControl
+from kvstream.engine.generate import Generation, generate
+from kvstream.model.registry import resolve_model
+from kvstream.model.sampling import Sampler
+from kvstream.engine.speculative import speculative_generate
+from kvstream.speculators.base import Chain, build_chain, parse_chain_spec
+from kvstream.speculators.draft import load_host
+from kvstream.model.tokenizer import Tokenizer
 
 
 class DraftHosts(dict):

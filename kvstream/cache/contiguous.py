@@ -21,7 +21,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kernels.formats import PAGE_TOKENS
 
-from .telemetry import StepStats
+from kvstream.telemetry import StepStats
 
 
 class ContextOverflow(ValueError):
@@ -44,7 +44,7 @@ class CacheBase:
 
     length: int = 0
     _n: int = 0  # tokens of the forward pass in progress
-    slab_pool = None  # where a forward pass's device buffers come from (kvstream.slab_pool); None: torch's
+    slab_pool = None  # where a forward pass's device buffers come from (kvstream.cache.slab_pool); None: torch's
 
     def compute(self):
         """The scope of a forward pass's device buffers: a paged cache on CUDA puts them in its

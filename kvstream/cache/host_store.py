@@ -11,7 +11,7 @@ import torch
 
 from kernels.formats import PageFormat
 
-from .arena import MIB
+from kvstream.cache.arena import MIB
 
 
 def available_host_bytes() -> int | None:

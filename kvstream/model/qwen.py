@@ -16,9 +16,9 @@ from gguf import GGUFReader
 
 from kernels.reference import rms_norm
 
-from .cache import ContiguousCache
-from .layer_ops import LayerOps
-from .loader import ModelConfig, load_weights, open_gguf, read_config
+from kvstream.cache.contiguous import ContiguousCache
+from kvstream.model.layer_ops import LayerOps
+from kvstream.model.loader import ModelConfig, load_weights, open_gguf, read_config
 
 
 @dataclass

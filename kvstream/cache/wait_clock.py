@@ -32,7 +32,7 @@ from collections import deque
 
 import torch
 
-from .telemetry import StepStats
+from kvstream.telemetry import StepStats
 
 
 SLOTS = 4  # pinned slots in turn: the host reads a pass's wait at the latest SLOTS passes later

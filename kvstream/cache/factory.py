@@ -8,11 +8,11 @@ from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS, PageFormat
 from policies.residency import RESIDENCY
 
-from .arena import ALIGN, MIB, Arena
-from .cache import ContiguousCache
-from .config import ArenaConfig, CacheConfig
-from .paged_cache import PagedCache
-from .slab_pool import SlabPool
+from kvstream.cache.arena import ALIGN, MIB, Arena
+from kvstream.cache.contiguous import ContiguousCache
+from kvstream.config import ArenaConfig, CacheConfig
+from kvstream.cache.paged import PagedCache
+from kvstream.cache.slab_pool import SlabPool
 
 
 class _OneLayer(PagedCache):

@@ -22,8 +22,8 @@ import gc
 
 import torch
 
-from .arena import MIB, ArenaTooSmall
-from .cudart import device_free, device_malloc
+from kvstream.cache.arena import MIB, ArenaTooSmall
+from kvstream.cache.cudart import device_free, device_malloc
 
 SEGMENT_ALIGN = 512  # torch's smallest block: segment starts stay aligned to it
 _ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)

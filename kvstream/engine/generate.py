@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cuda_graph import warm_widths
-from .readback import Readback
-from .sampling import Sampler
-from .telemetry import StepRecord
+from kvstream.engine.graphs import warm_widths
+from kvstream.engine.readback import Readback
+from kvstream.model.sampling import Sampler
+from kvstream.telemetry import StepRecord
 
 
 @dataclass

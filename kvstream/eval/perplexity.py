@@ -337,7 +337,7 @@ class PplResult:
 def check_run(chunks: torch.Tensor, model_cfg, *, batch: int = 512, logits_format: str = "uint16",
               save_logits=None, compare_logits=None) -> LogprobFile | None:
     """Refuse a run that cannot work, before any model work; returns the opened base, if any.
-    ``model_cfg`` is the model's :class:`~kvstream.loader.ModelConfig` (cheap to read from a GGUF)."""
+    ``model_cfg`` is the model's :class:`~kvstream.model.loader.ModelConfig` (cheap to read from a GGUF)."""
     ctx = chunks.shape[1]
     if ctx > model_cfg.context_length:
         raise ValueError(f"ctx={ctx} exceeds the model's context length of {model_cfg.context_length} tokens")

@@ -32,7 +32,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
-from .loader import open_gguf
+from kvstream.model.loader import open_gguf
 
 __all__ = [
     "gguf_metadata",

@@ -32,7 +32,7 @@ from statistics import median
 from kernels.formats import PAGE_TOKENS
 from policies.eject import Action, Snapshot
 
-from .telemetry import StepStats
+from kvstream.telemetry import StepStats
 
 GOODPUT_WINDOW = 16  # decode batches a state's steady rate looks at
 GOODPUT_MIN = 4      # steady batches in a state before its goodput counts as measured

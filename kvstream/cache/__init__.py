@@ -1,0 +1,1 @@
+"""KV caches: the phase arena, host store, contiguous and paged caches, streaming."""

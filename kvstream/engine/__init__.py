@@ -1,0 +1,1 @@
+"""Decoding: generation, speculative rounds, CUDA graphs, draft control, telemetry."""

@@ -1,0 +1,1 @@
+"""The model: GGUF loading and registry, tokenizer, the Qwen forward, sampling."""
