@@ -3,6 +3,7 @@ so nothing below an entry point ever sees a DictConfig."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -185,10 +186,20 @@ def to_typed(cfg: DictConfig, cls: type[T]) -> T:
     return OmegaConf.to_object(OmegaConf.merge(schema, cfg))
 
 
+def hydra_literal(value: str) -> str:
+    """``value`` as a quoted Hydra override value that composes back to exactly ``value``: Hydra
+    keeps backslashes that precede no quote, so only a run of them before a quote (inner, or the
+    closing one) is doubled; ``${`` is escaped so OmegaConf does not read it as an interpolation."""
+    value = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    value = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    value = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, value)
+    return f"'{value}'"
+
+
 def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> None:
-    """Quote free-text overrides (``prompt=def f(a):``) in place so Hydra's override grammar
-    takes them literally; values already quoted are left alone."""
+    """Quote free-text overrides (``prompt=def f(a):``) in place so Hydra's override grammar takes
+    them literally: backslashes, quotes, ``$``, braces, commas and ``=`` included."""
     for i, arg in enumerate(argv):
         key, eq, value = arg.partition("=")
-        if eq and key.lstrip("+~") in keys and not (len(value) > 1 and value[0] == value[-1] and value[0] in "'\""):
-            argv[i] = f"{key}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        if eq and key.lstrip("+~") in keys:
+            argv[i] = f"{key}={hydra_literal(value)}"
