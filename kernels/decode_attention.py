@@ -61,11 +61,10 @@ MERGE_BLOCK_S, MERGE_BLOCK_S_FEW, MERGE_BLOCK_D = 256, 512, 32
 # 32 / 64 rows, so no row caps them (results/kernels/variants/launch_regs).
 # Pointers whose offset follows the layer or the plan (a page-table row, a round's key scalars,
 # partials rows a caller places in a larger buffer): Triton compiles one variant per 16-byte
-# alignment of a specialized pointer, so these are not specialized. Rows of max_pages int32
-# (max_pages % 4 != 0) otherwise needed other variants of the multi-round calls for 3 layers in 4,
-# compiled at the first multi-round step in mid-decode: 2.3-2.5 s
-# (results/draft_threshold_h200_final4/README.md). They are scalar loads and small stores;
-# part_acc's rows are always 16-byte multiples and stay specialized.
+# alignment of a specialized pointer, so these are not specialized: with rows of max_pages int32
+# (max_pages % 4 != 0), 3 layers in 4 would need other variants of the multi-round calls,
+# compiled at the first multi-round step in mid-decode (2.3-2.5 s on the H200). They are scalar
+# loads and small stores; part_acc's rows are always 16-byte multiples and stay specialized.
 UNALIGNED = ["page_table", "p_len", "p_start", "p_end", "part_m", "part_l"]
 
 

@@ -1,6 +1,6 @@
-"""Residual add + RMSNorm in one kernel: the decode step's norms were 8 launches each (cast,
-pow, mean, add, rsqrt, mul, cast, mul) and the residual add one more, ~45% of the kernels of a
-graphed step (results/peers profiles). One program per row.
+"""Residual add + RMSNorm in one kernel: in torch a norm is 8 launches (cast, pow,
+mean, add, rsqrt, mul, cast, mul) and the residual add one more, ~45% of the kernels of a
+graphed step (results/peers/h200/prefusion_profile_*). One program per row.
 
 ``add_rms_norm(x, w, eps, delta)`` returns ``(s, rms_norm(s) * w)`` with ``s = x + delta``
 (``s = x`` when delta is None), rounded as ``kernels.reference.add_rms_norm`` rounds: the sum

@@ -1,5 +1,5 @@
 """RoPE (NEOX halves, as llama.cpp and HF's ``rotate_half``) for all q and k heads of a step in
-one kernel, angles computed in place from the positions: the torch version was ~12 launches
+one kernel, angles computed in place from the positions: the torch version is ~12 launches
 (angles, cos, sin, casts, four products, two sums, a cat) and one temporary per step.
 
 ``rope(x, pos, inv_freq)``: x [n, heads, D] (rows may be strided, e.g. a view of the fused QKV

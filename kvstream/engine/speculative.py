@@ -127,7 +127,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             queued = None
         # the last round is not cut to the tokens left, only to the cache's room: at the usual width
         # it replays a captured graph, where a narrower one captures a new graph (31-56 ms on the H200
-        # after a re-layout, results/draft_threshold_h200_final3/README.md); what runs past the end
+        # after a re-layout); what runs past the end
         # is dropped below (kvstream.engine.runner sizes the cache n_max tokens past the end for it)
         n = min(n_round, cache.max_tokens - cache.length - 1)
         draft = chain.propose(prompt + out, n) if n > 0 and not plain else []
