@@ -21,8 +21,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.bench_stream import QWEN15, pinned_ceiling
-from experiments.provenance import git_state
+from experiments.common import QWEN15, git_state, pinned_ceiling
 from kernels.formats import PageFormat
 from kvstream.cache.cudart import copy_rows
 
