@@ -1,4 +1,4 @@
-"""Benchmark the KV kernels (issue 3): paged decode attention, gather, store.
+"""Benchmark the KV kernels: paged decode attention, gather, store.
 
 Shapes of Qwen2.5-Coder-1.5B, one layer: 12 query heads, 2 KV heads, head_dim 128.
 Contexts 1K..128K, n_q 1 and 6, every K/V type pair. Random data (never zeros).

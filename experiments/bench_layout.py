@@ -1,21 +1,21 @@
 """Page layout: is gathering from plain GGML rows faster than from the split layout?
 
-The issue asked "If a layout other than plain GGML rows inside a page is faster, measure it and
-choose". kernels/formats.py chose the split, head-major layout (every quant row 16-byte aligned)
-on an argument: a GGML block is 34 (q8_0) / 18 (q4_0) bytes, so its quants are only ever
-2-byte aligned and load in 2-byte pieces. This times it. ``_gather_ggml_kernel`` gathers from
-pages holding the bytes ``page_to_ggml`` makes (256 token rows, each head after head, each head
-``head_dim / 32`` blocks of [fp16 scale | quants]) into [n_tokens, n_kv_heads, head_dim] fp16,
-with gather's dequantization (``kernels.gather._dequant``, the PTX path on CUDA) and launch
-shape (BLOCK_T tokens of one page per program, heads minor), so the two differ only in where
-the bytes come from. Its output equals ``kernels.gather.gather`` bit for bit (checked here
-per case: column ``equal``; tests/kernels/test_bench_layout.py on CPU).
+kernels/formats.py stores pages in a split, head-major layout (every quant row 16-byte aligned)
+because a GGML block is 34 (q8_0) / 18 (q4_0) bytes, so its quants are only ever 2-byte aligned
+and load in 2-byte pieces. This measures what that choice is worth. ``_gather_ggml_kernel``
+gathers from pages holding the bytes ``page_to_ggml`` makes (256 token rows, each head after
+head, each head ``head_dim / 32`` blocks of [fp16 scale | quants]) into [n_tokens, n_kv_heads,
+head_dim] fp16, with gather's dequantization (``kernels.gather._dequant``, the PTX path on CUDA)
+and launch shape (BLOCK_T tokens of one page per program, heads minor), so the two differ only
+in where the bytes come from. Its output equals ``kernels.gather.gather`` bit for bit (checked
+here per case: column ``equal``; tests/kernels/test_bench_layout.py on CPU).
 
 For q8_0 and q4_0 (f16 pages are the same in both layouts) and each context: one pool of
 random split pages and the same pages as GGML rows; ``kernels.gather.gather`` (split) timed
 first and last (drift), the GGML kernel's launch variants (``GGML_LAUNCHES``) between, each a
 CUDA graph of several input sets (common.time_graph, working set past the L2). Shapes of
-bench_kernels (2 KV heads x 128). The copy ceiling is measured in the same run.
+Qwen2.5-Coder-1.5B (2 KV heads x 128), as in bench_kernels. The copy ceiling is measured in the
+same run.
 
 Writes to --out: layout.csv (per row: type, context, layout, launch, us_graph, bytes = pages
 read + fp16 written, GB/s, fraction of the 1 GiB copy ceiling and of a copy of the call's size
