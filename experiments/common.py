@@ -109,7 +109,7 @@ def load_target(cfg: GenerateConfig):
 
 
 def kvstream_config(device, mode, new, graphs=True):
-    """A greedy run of ``new`` tokens in cache ``mode`` with the arena sized automatically."""
+    """A run of ``new`` tokens (EOS ignored, default sampling: greedy) in cache ``mode``, arena sized automatically."""
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return GenerateConfig(hardware=Hardware(device, dtype), cache=CacheConfig(mode=mode), arena=ArenaConfig("auto"),
                           max_new_tokens=new, ignore_eos=True, engine=EngineConfig(cuda_graphs=graphs))
