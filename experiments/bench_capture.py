@@ -30,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.provenance import provenance
+from experiments.common import provenance
 from kvstream.cache.arena import MIB
 from kvstream.cache.factory import make_cache, paged_bytes, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig

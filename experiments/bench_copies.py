@@ -4,11 +4,11 @@ way of issuing them, each replayed from a CUDA graph as the graphed step issues 
 
     python -m experiments.bench_copies --out results/stream
 
-Ways: ``per_layer`` (one K and one V copy per layer, one stream: the runtime before
-grouping), ``two_streams`` (the same copies, K on one stream and V on another, so two copy
-engines overlap their per-copy latency), ``group_G`` (G layers' pages in one 2-D copy each
-for K and V: rows are layers, the host store's layer pitch on one side, the ring's on the
-other). Page sizes are the Qwen2.5-Coder-1.5B layer's (2 KV heads x 128, q8_0 K / q4_0 V).
+Ways: ``per_layer`` (one K and one V copy per layer, one stream), ``two_streams`` (the same
+copies, K on one stream and V on another, so two copy engines overlap their per-copy latency),
+``group_G`` (G layers' pages in one 2-D copy each for K and V: rows are layers, the host
+store's layer pitch on one side, the ring's on the other: the runtime's way). Page sizes are
+the Qwen2.5-Coder-1.5B layer's (2 KV heads x 128, q8_0 K / q4_0 V).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.bench_stream import QWEN15, pinned_ceiling
-from experiments.provenance import git_state
+from experiments.common import QWEN15, git_state, pinned_ceiling
 from kernels.formats import PageFormat
 from kvstream.cache.cudart import copy_rows
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.provenance import git_state
+from experiments.common import git_state
 from kvstream.engine.generate import generate
 from kvstream.model.loader import open_gguf
 from kvstream.model.qwen import load_model

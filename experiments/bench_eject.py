@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -23,7 +22,8 @@ import torch
 from hydra import compose, initialize_config_module
 from tqdm import tqdm
 
-from experiments.draft_threshold import StudyConfig, _load, review_prompt
+from experiments.common import load_target, review_prompt
+from experiments.draft_threshold import StudyConfig
 from kvstream.cache.factory import make_cache
 from kvstream.config import to_typed
 from kvstream.engine.draft_control import DraftControl
@@ -63,7 +63,7 @@ def main() -> None:
     cycles = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("+cycles=")), 1000)
     with initialize_config_module("conf", version_base=None):
         cfg = to_typed(compose("draft_threshold", overrides=[a for a in argv if not a.startswith("+")]), StudyConfig)
-    model, tok, _ = _load(cfg)
+    model, tok, _ = load_target(cfg)
     dev, d = model.device, cfg.spec.draft
     max_tokens = cfg.context + 64
     cache = make_cache(cfg.cache, cfg.arena, model, max_tokens, cfg.prefill_chunk, verify_width=1 + cfg.spec.n_max)

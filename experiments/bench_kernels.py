@@ -1,4 +1,4 @@
-"""Benchmark the KV kernels (issue 3): paged decode attention, gather, store.
+"""Benchmark the KV kernels: paged decode attention, gather, store.
 
 Shapes of Qwen2.5-Coder-1.5B, one layer: 12 query heads, 2 KV heads, head_dim 128.
 Contexts 1K..128K, n_q 1 and 6, every K/V type pair. Random data (never zeros).
@@ -27,21 +27,14 @@ bench_kernels.png and command.txt (the command, with provenance). Prints a short
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import math
 import os
-import platform
-import sys
-import time
 
 import torch
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 12, 2, 128
 PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0")]
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
-ROTATE_BYTES = 512 * 2**20  # working set per graph, several times the L2
-MAX_SETS = 256
 
 
 def parse_args(argv=None):
@@ -58,116 +51,19 @@ ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.quick and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is jitted
 
-import triton  # noqa: E402
-
-from experiments.provenance import git_state  # noqa: E402
+from experiments.common import (CUDA, DEV, ceilings, compiled, kernel_provenance, n_sets,  # noqa: E402
+                                random_pool, sized_copy_gbps, time_eager, time_graph)
 from kernels import decode_attention as da  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
 from kernels.formats import PAGE_TOKENS, PageFormat  # noqa: E402
 from kernels.gather import gather  # noqa: E402
 from kernels.store import store  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = torch.device("cuda" if CUDA else "cpu")
-
-
-# ---- timing ----------------------------------------------------------------------------
-
-def time_graph(calls, reps: int = 20) -> float:
-    """Median microseconds per call: all calls captured in one CUDA graph, replayed."""
-    for c in calls:  # compile, allocate
-        c()
-    if not CUDA:
-        t = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t) / len(calls) * 1e6
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return float(torch.tensor(times).median())
-
-
-def time_eager(fn) -> float:
-    """Median microseconds of one eager call, L2 flushed before each (do_bench)."""
-    if not CUDA:
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
-
-
-def n_sets(bytes_per_set: float) -> int:
-    if not CUDA:
-        return 1
-    return max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / max(bytes_per_set, 1))))
-
-
-# ---- data ------------------------------------------------------------------------------
-
-def random_pool(fmt: PageFormat, n_pages: int, gen: torch.Generator) -> torch.Tensor:
-    """Pages of random quants and sane random scales (values within ~±4), never zeros."""
-    pool = torch.empty(n_pages, fmt.page_bytes, dtype=torch.uint8, device=DEV)
-    if fmt.kv_type.name == "f16":
-        pool.view(torch.float16).copy_(torch.randn(n_pages, fmt.page_bytes // 2, device=DEV,
-                                                   generator=gen))
-        return pool
-    pool[:, : fmt.scale_offset] = torch.randint(0, 256, (n_pages, fmt.scale_offset), device=DEV,
-                                                dtype=torch.uint8, generator=gen)
-    s = pool[:, fmt.scale_offset:].view(torch.float16)
-    s.copy_(0.005 + 0.03 * torch.rand(s.shape, device=DEV, generator=gen))
-    return pool
-
-
-def kv_bytes(L: int, kf: PageFormat, vf: PageFormat) -> int:
-    return L * (kf.row_bytes + vf.row_bytes)
-
 
 # ---- cases -----------------------------------------------------------------------------
 
-def ceilings() -> dict:
-    n = (2**30 if CUDA else 2**22)
-    src = torch.randn(n // 4, device=DEV)
-    dst = torch.empty_like(src)
-    t_copy = time_eager(lambda: dst.copy_(src))
-    t_read = time_eager(lambda: src.sum())
-    return dict(copy_gbps=2 * n / t_copy / 1e3, read_gbps=n / t_read / 1e3)
-
-
-_SIZED = {}
-
-
-def sized_copy_gbps(nbytes: int) -> float:
-    """The copy ceiling at one call's size: GB/s (read + write) of device copies that move
-    ``nbytes`` each, timed as the kernels are (a CUDA graph of several sets past the L2). A
-    kernel moving that many bytes pays the same launch, ramp-up and tail: the 1 GiB ceiling
-    hides them, and at 32K one layer's pages are only ~10-30 MB."""
-    half = max(16, nbytes // 2 // 16 * 16)
-    if half not in _SIZED:
-        sets = n_sets(2 * half)
-        src = [torch.randint(0, 256, (half,), dtype=torch.uint8, device=DEV) for _ in range(sets)]
-        dst = [torch.empty_like(x) for x in src]
-        _SIZED[half] = 2 * half / time_graph([(lambda i=i: dst[i].copy_(src[i])) for i in range(sets)]) / 1e3
-    return _SIZED[half]
+def kv_bytes(L: int, kf: PageFormat, vf: PageFormat) -> int:
+    return L * (kf.row_bytes + vf.row_bytes)
 
 
 def bench_decode(pair, L, n_qs, gen, ceil, sdpa_us, rows, baselines=True):
@@ -306,15 +202,6 @@ def sweep(gen, ceil, rows, contexts, pairs=(("q8_0", "q4_0"),)):
 
 # ---- reporting ---------------------------------------------------------------------------
 
-def compiled(fn) -> list:
-    """The kernels compiled so far for a @triton.jit function (none under the interpreter)."""
-    out = []
-    for caches in getattr(fn, "device_caches", {}).values():
-        cache = caches[0] if isinstance(caches, tuple) else caches
-        out += list(getattr(cache, "values", lambda: [])())
-    return out
-
-
 def asm_stats(prov: dict) -> list[dict]:
     """Per compiled kernel: registers, spills, shared memory, and what its PTX loads/multiplies
     with, and ``prov`` (the run's provenance)."""
@@ -335,14 +222,6 @@ def asm_stats(prov: dict) -> list[dict]:
                             constants=str({kk: v for kk, v in getattr(k, "constants", {}).items()
                                            if isinstance(v, (int, bool))})[:300], **prov))
     return out
-
-
-def provenance() -> dict:
-    commit, dirty = git_state("kernels", "experiments")
-    return dict(gpu=torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu",
-                torch=torch.__version__, triton=triton.__version__, commit=commit, dirty=dirty,
-                date=datetime.datetime.now().isoformat(timespec="seconds"),
-                command="python " + " ".join(sys.argv))
 
 
 def plot(dec, gat, path):
@@ -415,7 +294,7 @@ def main(args) -> None:
     contexts = args.contexts or ([300] if args.quick else CONTEXTS)
     n_qs = [1, 2] if args.quick else [1, 6]
     ceil = ceilings()
-    prov = provenance()
+    prov = kernel_provenance()
     if args.sweep:
         rows = []
         sweep(gen, ceil, rows, args.contexts or [32768, 65536, 131072])

@@ -1,25 +1,25 @@
 """Page layout: is gathering from plain GGML rows faster than from the split layout?
 
-The issue asked "If a layout other than plain GGML rows inside a page is faster, measure it and
-choose". kernels/formats.py chose the split, head-major layout (every quant row 16-byte aligned)
-on an argument: a GGML block is 34 (q8_0) / 18 (q4_0) bytes, so its quants are only ever
-2-byte aligned and load in 2-byte pieces. This times it. ``_gather_ggml_kernel`` gathers from
-pages holding the bytes ``page_to_ggml`` makes (256 token rows, each head after head, each head
-``head_dim / 32`` blocks of [fp16 scale | quants]) into [n_tokens, n_kv_heads, head_dim] fp16,
-with gather's dequantization (``kernels.gather._dequant``, the PTX path on CUDA) and launch
-shape (BLOCK_T tokens of one page per program, heads minor), so the two differ only in where
-the bytes come from. Its output equals ``kernels.gather.gather`` bit for bit (checked here
-per case: column ``equal``; tests/kernels/test_bench_layout.py on CPU).
+kernels/formats.py stores pages in a split, head-major layout (every quant row 16-byte aligned)
+because a GGML block is 34 (q8_0) / 18 (q4_0) bytes, so its quants are only ever 2-byte aligned
+and load in 2-byte pieces. This measures what that choice is worth. ``_gather_ggml_kernel``
+gathers from pages holding the bytes ``page_to_ggml`` makes (256 token rows, each head after
+head, each head ``head_dim / 32`` blocks of [fp16 scale | quants]) into [n_tokens, n_kv_heads,
+head_dim] fp16, with gather's dequantization (``kernels.gather._dequant``, the PTX path on CUDA)
+and launch shape (BLOCK_T tokens of one page per program, heads minor), so the two differ only
+in where the bytes come from. Its output equals ``kernels.gather.gather`` bit for bit (checked
+here per case: column ``equal``; tests/kernels/test_bench_layout.py on CPU).
 
 For q8_0 and q4_0 (f16 pages are the same in both layouts) and each context: one pool of
 random split pages and the same pages as GGML rows; ``kernels.gather.gather`` (split) timed
 first and last (drift), the GGML kernel's launch variants (``GGML_LAUNCHES``) between, each a
-CUDA graph of several input sets (bench_kernels.time_graph, working set past the L2). Shapes of
-bench_kernels (2 KV heads x 128). The copy ceiling is measured in the same run.
+CUDA graph of several input sets (common.time_graph, working set past the L2). Shapes of
+Qwen2.5-Coder-1.5B (2 KV heads x 128), as in bench_kernels. The copy ceiling is measured in the
+same run.
 
 Writes to --out: layout.csv (per row: type, context, layout, launch, us_graph, bytes = pages
 read + fp16 written, GB/s, fraction of the 1 GiB copy ceiling and of a copy of the call's size
-(bench_kernels.sized_copy_gbps), ratio to split (the mean of its two timings), split drift, the
+(common.sized_copy_gbps), ratio to split (the mean of its two timings), split drift, the
 PTX load counts of the kernel it ran, ``equal``, provenance) and asm.csv (per compiled kernel:
 registers, spills and every ``ld.global`` form of its PTX). Prints a short table.
 
@@ -62,8 +62,8 @@ if __name__ == "__main__":
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from experiments import bench_kernels as bk  # noqa: E402
-from experiments.bench_kernels import ceilings, compiled, n_sets, random_pool, sized_copy_gbps, time_graph  # noqa: E402
+from experiments.common import (DEV, QWEN15, ceilings, compiled, kernel_provenance, n_sets, random_pool,  # noqa: E402
+                                sized_copy_gbps, time_graph)
 from kernels import gather as g  # noqa: E402
 from kernels.formats import PAGE_TOKENS, PageFormat, page_to_ggml  # noqa: E402
 from kernels.gather import _dequant, gather, use_asm  # noqa: E402
@@ -195,7 +195,7 @@ def asm_row(k) -> dict:
 
 def bench_type(t: str, L: int, gen, ceil: dict, rows: list, asm: dict) -> None:
     """Split gather (first and last) and the GGML kernel's launches, same pages, one context."""
-    fmt = PageFormat(t, bk.N_KV_HEADS, bk.HEAD_DIM)
+    fmt = PageFormat(t, QWEN15.n_kv_heads, QWEN15.head_dim)
     pages = -(-L // PAGE_TOKENS)
     out_bytes = L * fmt.n_kv_heads * fmt.head_dim * 2
     nbytes = L * fmt.row_bytes + out_bytes
@@ -203,9 +203,9 @@ def bench_type(t: str, L: int, gen, ceil: dict, rows: list, asm: dict) -> None:
     sized = sized_copy_gbps(nbytes)  # a copy of this call's size, timed as the kernels are
     split = random_pool(fmt, sets * pages, gen)
     ggml = page_to_ggml(split, fmt).reshape(split.shape)  # the same pages as GGML rows
-    perm = torch.randperm(sets * pages, device=bk.DEV, generator=gen).int()
+    perm = torch.randperm(sets * pages, device=DEV, generator=gen).int()
     tables = [perm[i * pages:(i + 1) * pages].contiguous() for i in range(sets)]
-    outs = [torch.empty(L, fmt.n_kv_heads, fmt.head_dim, dtype=torch.float16, device=bk.DEV)
+    outs = [torch.empty(L, fmt.n_kv_heads, fmt.head_dim, dtype=torch.float16, device=DEV)
             for _ in range(sets)]
     want = gather(split, tables[0], L, fmt)
     cases = [("split", g.LAUNCH + (1,))] + [("ggml", la) for la in GGML_LAUNCHES] + [("split", g.LAUNCH + (1,))]
@@ -240,10 +240,10 @@ def bench_type(t: str, L: int, gen, ceil: dict, rows: list, asm: dict) -> None:
 def main(args) -> None:
     import pandas as pd
     os.makedirs(args.out, exist_ok=True)
-    gen = torch.Generator(device=bk.DEV).manual_seed(0)
+    gen = torch.Generator(device=DEV).manual_seed(0)
     contexts = args.contexts or ([40] if args.quick else [32768, 65536, 131072])
     ceil = ceilings()
-    prov = bk.provenance()  # commit (experiments.provenance.git_state), dirty, gpu, versions, command
+    prov = kernel_provenance()  # commit, dirty, gpu, versions, command
     rows, asm = [], {}
     for L in contexts:
         for t in ("q8_0", "q4_0"):

@@ -31,37 +31,16 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.draft_threshold import review_prompt
-from experiments.provenance import provenance
-from kvstream.config import ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware
+from experiments.common import INSTRUCTION, kvstream_config, kvstream_model, provenance, review_prompt
 from kvstream.model.loader import is_skeleton, open_gguf
-from kvstream.model.qwen import load_model
 from kvstream.model.registry import MODELS as REGISTERED, resolve_model, sha256_file
 from kvstream.engine.runner import run_decode
 from kvstream.model.tokenizer import Tokenizer
-
-INSTRUCTION = "Review the code above: point out bugs, unclear names and missing tests."
 
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-MODELS = {}  # path -> (model, tokenizer): the kvstream arms share one load
-
-
-def kvstream_config(device, mode, new, graphs=True):
-    dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return GenerateConfig(hardware=Hardware(device, dtype), cache=CacheConfig(mode=mode), arena=ArenaConfig("auto"),
-                          max_new_tokens=new, ignore_eos=True, engine=EngineConfig(cuda_graphs=graphs))
-
-
-def kvstream_model(path, cfg):
-    if path not in MODELS:
-        reader = open_gguf(path)
-        MODELS[path] = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device), Tokenizer.from_gguf(reader)
-    return MODELS[path]
 
 
 def kvstream_arm(path, prompt, new, device, mode, graphs=True):

@@ -25,8 +25,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.bench_peers import INSTRUCTION, kvstream_config, kvstream_model
-from experiments.draft_threshold import review_prompt
+from experiments.common import INSTRUCTION, kvstream_config, kvstream_model, review_prompt
 from kvstream.cache.factory import make_cache
 from kvstream.engine.graphs import GraphedModel
 from kvstream.engine.generate import generate, prefill_phase, sync_device, warm_up

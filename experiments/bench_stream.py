@@ -32,7 +32,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.provenance import git_state
+from experiments.common import QWEN15, git_state, pinned_ceiling
 from kernels.formats import PageFormat
 from kvstream.cache.arena import MIB
 from kvstream.cache.factory import make_cache, phase_slabs
@@ -42,26 +42,8 @@ from kvstream.cache.cudart import copy_rows
 from kvstream.model.loader import ModelConfig, random_weights
 from kvstream.model.qwen import Qwen
 
-QWEN15 = ModelConfig(arch="qwen2", n_layers=28, hidden=1536, n_heads=12, n_kv_heads=2, head_dim=128, ffn=8960,
-                     vocab_size=151936, rope_base=1e6, rms_eps=1e-6, context_length=131072, tied_output=True)
-
-
 def random_model(cfg: ModelConfig, device, dtype) -> Qwen:
     return Qwen(cfg, random_weights(cfg, dtype, device))
-
-
-def pinned_ceiling(device) -> float:
-    """GB/s of one 1 GiB pinned host -> device copy (median of 5)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device=device)
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return src.numel() / statistics.median(times[1:]) / 1e9
 
 
 def _issue_copies(cache, stream) -> None:

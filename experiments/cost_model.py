@@ -58,10 +58,8 @@ class CostModel:
     round_tokens: tuple = ()
     page_s: float = 0.0
     # with a fixed ring, the page cost per streaming-round count (a plan of more rounds captures a
-    # larger graph; before 6be990b a multi-round plan also re-captured at every page, whatever
-    # cache.residency_step, so studies run before it measured that): page_rounds[i] rounds cost
-    # page_s_rounds[i] (interpolated, flat beyond the ends); rounds from ring_round_pages streamed
-    # pages per round. Empty: page_s for every count
+    # larger graph): page_rounds[i] rounds cost page_s_rounds[i] (interpolated, flat beyond the
+    # ends); rounds from ring_round_pages streamed pages per round. Empty: page_s for every count
     page_rounds: tuple = ()
     page_s_rounds: tuple = ()
     ring_round_pages: float = math.inf

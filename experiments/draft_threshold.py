@@ -34,16 +34,13 @@ import torch
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from experiments.provenance import provenance
+from experiments.common import load_target, provenance, review_prompt
 from kvstream.config import GenerateConfig, quote_free_text, to_typed
 from kvstream.engine.gpu_clock import ClockSampler
 from kvstream.model.loader import is_skeleton, open_gguf
-from kvstream.model.qwen import load_model
-from kvstream.eval.perplexity import stdlib_text
-from kvstream.model.registry import MODELS, resolve_model, sha256_file
+from kvstream.model.registry import resolve_model
 from kvstream.engine.runner import run_decode
 from kvstream.speculators.base import parse_chain_spec
-from kvstream.model.tokenizer import Tokenizer
 
 ARMS = ("none", "keep", "onset", "auto", "always", "pages<N>")
 
@@ -83,31 +80,6 @@ def arm_config(cfg: StudyConfig) -> StudyConfig:
     return replace(cfg, policy=replace(p, eject=eject))
 
 
-def review_prompt(tok: Tokenizer, n_tokens: int, instruction: str) -> list[int]:
-    """Exactly ``n_tokens`` tokens: chat template around source code cut to fit + the instruction."""
-    marker = "\x00CODE\x00"
-    pre, post = tok.apply_chat_template([{"role": "user", "content": marker + "\n\n" + instruction}],
-                                        add_generation_prompt=True).split(marker)
-    head, tail = tok.encode(pre), tok.encode(post)
-    room = n_tokens - len(head) - len(tail)
-    if room < 1:
-        raise ValueError(f"context={n_tokens} tokens leaves no room for code ({len(head) + len(tail)} go to the "
-                         "chat template and the instruction)")
-    code = _source_tokens(tok)
-    code = (code * (room // len(code) + 1))[:room]  # long contexts wrap around the text
-    return head + code + tail
-
-
-_SOURCE: dict = {}  # id(tokenizer) -> token ids of the source text: tokenized once per process
-
-
-def _source_tokens(tok: Tokenizer) -> list[int]:
-    if id(tok) not in _SOURCE:
-        _SOURCE[id(tok)] = tok.encode(stdlib_text())
-    return _SOURCE[id(tok)]
-
-
-_MODELS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one load per sweep process
 # runs.csv's columns, in order (``run_cell`` builds its row with exactly these)
 ROW_COLUMNS = ("run_id", "study", "arm", "policy", "keep_pages", "spec_type", "context", "rep", "new_tokens",
                "decode_tok_s", "prefill_tok_s", "capacity_with_draft", "capacity_without_draft", "draft_mib", "ejects",
@@ -118,17 +90,6 @@ ROW_COLUMNS = ("run_id", "study", "arm", "policy", "keep_pages", "spec_type", "c
                "sm_clock_mhz", "sm_clock_min_mhz", "model",
                "model_sha256", "draft_model", "device", "dtype", "prompt_sha1", "git_commit", "git_dirty",
                "device_name", "torch", "triton", "python", "config")
-
-
-def _load(cfg: StudyConfig):
-    key = (cfg.model.source, cfg.hardware.dtype, cfg.hardware.device)
-    if key not in _MODELS:
-        path = resolve_model(cfg.model.source)
-        reader = open_gguf(path)
-        sha = MODELS[cfg.model.source].sha256 if cfg.model.source in MODELS else sha256_file(path)
-        _MODELS[key] = (load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device), Tokenizer.from_gguf(reader),
-                        sha)
-    return _MODELS[key]
 
 
 def check_columns(runs: Path) -> None:
@@ -165,7 +126,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     if runs.exists() and run_id in set(pd.read_csv(runs, usecols=["run_id"], dtype=str)["run_id"]):
         print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep}: done before ({run_id}), skipped")
         return None
-    model, tok, sha = _load(run_cfg)
+    model, tok, sha = load_target(run_cfg)
     prompt = review_prompt(tok, cfg.context, cfg.instruction)
     if model.device.type == "cuda":  # Triton compiles per kernel variant (widths, rounds): never in a timed cell
         run_decode(replace(run_cfg, max_new_tokens=24), model, tok, prompt)

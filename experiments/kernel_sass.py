@@ -10,10 +10,10 @@ tile; the loop is what runs per 64 or 128 keys.
     python -m experiments.kernel_sass                       # q8_0/q4_0, n_q 1 and 6
     python -m experiments.kernel_sass --pair q8_0 q8_0 --n-q 1 2 --out /tmp/sass
 
-Match the device's Triton (3.6 on the lent H200): another version compiles other code. One
-way, without touching the environment: ``pip install --target /tmp/t36 --no-deps
-triton==3.6.0`` and run with ``PYTHONPATH=/tmp/t36``. kernels/NOTES.md (version 7) shows what
-this found: unswizzled byte tiles in shared memory.
+Match the device's Triton version (3.6 on the H200 the results come from): another version
+compiles other code. One way, without touching the environment: ``pip install --target /tmp/t36
+--no-deps triton==3.6.0`` and run with ``PYTHONPATH=/tmp/t36``. What it shows for decode
+attention is in kernels/NOTES.md: unswizzled byte tiles in shared memory.
 """
 
 from __future__ import annotations

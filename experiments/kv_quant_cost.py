@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 from hydra import compose, initialize_config_module
 
-from experiments.provenance import provenance
+from experiments.common import provenance
 from kernels.formats import PageFormat
 from kvstream.cache.arena import MIB
 from kvstream.cache.factory import reserve_slab

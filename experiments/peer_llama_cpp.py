@@ -1,5 +1,5 @@
 """llama.cpp's greedy decode for bench_peers, in a process of its own: llama.cpp's CUDA build and
-torch's CUDA libraries in one process crash (a segfault seen on the H200), so this module
+torch's CUDA libraries in one process crash (a segfault on the H200), so this module
 imports neither torch nor kvstream.
 
     python -m experiments.peer_llama_cpp MODEL.gguf PROMPT.json NEW_TOKENS cuda|cpu
@@ -14,7 +14,7 @@ import time
 
 
 def decode(path: str, prompt: list[int], new: int, device: str) -> dict:
-    import llama_cpp  # before numpy: numpy imported first made llama.cpp's model load segfault (H200)
+    import llama_cpp  # before numpy: numpy imported first makes llama.cpp's model load segfault (H200)
     import numpy as np
 
     llm = llama_cpp.Llama(path, n_ctx=len(prompt) + new + 16, n_gpu_layers=-1 if device.startswith("cuda") else 0,

@@ -24,27 +24,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from experiments.common import title  # noqa: E402
 from experiments.cost_model import CostModel  # noqa: E402
 from experiments.crossover import PAGE, analyze, arm_order, decode_table, eject_threshold, predict, read_study  # noqa: E402
-
-
-def _values(runs, column) -> str:
-    return ", ".join(str(v) for v in runs[column].dropna().unique()) if column in runs else ""
-
-
-def title(runs) -> str:
-    """Model, draft and device from runs.csv; synthetic acceptance named, since such runs measure no real draft."""
-    model, draft, device = (_values(runs, c) for c in ("model", "draft_model", "device"))
-    short = lambda v: ", ".join(Path(x).name.removesuffix(".gguf") for x in v.split(", ")) if v else v
-    model, draft = short(model), short(draft)
-    if "random_weights" in runs and runs["random_weights"].astype(str).eq("True").any():
-        model += " (random weights)"
-    if "device_name" in runs and runs["device_name"].notna().any():
-        device = runs["device_name"].dropna().iloc[0]
-    t = "decode tok/s vs context" + (f": {model}" if model else "") + (f" + draft {draft}" if draft else "")
-    t += f" on {device}" if device else ""
-    alpha = _values(runs, "synthetic_acceptance")
-    return t + (f"\nsynthetic acceptance α={alpha}" if alpha else "")
 
 
 def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:

@@ -21,9 +21,9 @@ import pandas as pd
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from experiments.common import title  # noqa: E402
 from experiments.cost_model import require  # noqa: E402
 from experiments.crossover import read_study  # noqa: E402
-from experiments.plot_draft_thresholds import title  # noqa: E402
 
 COLUMNS = ["spec_type", "context", "decode_tok_s", "draft_time_share", "speculators"]
 

@@ -15,7 +15,8 @@ from dataclasses import replace
 
 from hydra import compose, initialize_config_module
 
-from experiments.draft_threshold import StudyConfig, _load, arm_config
+from experiments.common import load_target
+from experiments.draft_threshold import StudyConfig, arm_config
 from kvstream.cache.arena import MIB
 from kvstream.cache.factory import make_cache
 from kvstream.config import quote_free_text, to_typed
@@ -26,7 +27,7 @@ from policies.eject import Never
 
 
 def capacity_with_draft(cfg: StudyConfig, mib: float) -> tuple[int, object]:
-    model, tok, _ = _load(cfg)
+    model, tok, _ = load_target(cfg)
     d = cfg.spec.draft
     max_tokens = cache_tokens(cfg.context, cfg.max_new_tokens, cfg.spec, model.cfg.context_length)
     host = DRAFT_HOSTS.get_host(d.source, tok, model.dtype, model.device)

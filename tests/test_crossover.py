@@ -18,11 +18,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from experiments.common import title
 from experiments.cost_model import (CostModel, acceptance_per_token, after_transition, eject_cost, eject_seconds,
                                     fit_cost_model, page_cost, page_costs, round_pages)
 from experiments.crossover import (PAGE, analyze, best_threshold, capacity_curve, crossover, decode_table,
                                    eject_threshold, main, predicted_crossover, read_study)
-from experiments.plot_draft_thresholds import plot, title
+from experiments.plot_draft_thresholds import plot
 
 CAP_WITH, CAP_WITHOUT = 10, 40  # pages/layer that fit with / without the draft
 PAGES = [4, 8, 12, 18, 26, 32]  # 18 and 26 bracket the crossover at 20, asymmetrically

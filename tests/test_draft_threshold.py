@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 import conf
-from experiments.draft_threshold import StudyConfig, analyze, arm_config, review_prompt, run_cell
+from experiments.common import review_prompt
+from experiments.draft_threshold import StudyConfig, analyze, arm_config, run_cell
 from kvstream.cli.ppl import PplConfig
 from kvstream.config import GenerateConfig, to_typed
 from kvstream.model.tokenizer import Tokenizer
