@@ -170,8 +170,8 @@ def test_layer_and_round_offsets_need_no_new_kernel_variants():
     own specialization function decides here, on CPU). A paged cache passes each layer a row of its
     page tables, and each round key scalars and rows of one partials buffer, at offsets that follow
     the layer and the plan. Specialized, rows of 73 int32 pages gave layers 1-3 (mod 4) other
-    variants than layer 0, compiled at their first multi-round step in mid-decode (2.3-2.5 s on the
-    H200, results/draft_threshold_h200_final4). One variant serves every such offset now."""
+    variants than layer 0, compiled at their first multi-round step in mid-decode (a 2.3-2.5 s step
+    on the H200). One variant serves every such offset now."""
     from triton.backends.compiler import BaseBackend
     from triton.runtime.jit import native_specialize_impl
 
