@@ -121,13 +121,13 @@ ROW_COLUMNS = ("run_id", "study", "arm", "policy", "keep_pages", "spec_type", "c
 
 
 def _load(cfg: StudyConfig):
-    key = (cfg.model.source, cfg.hardware.dtype, cfg.hardware.device)
+    key = (cfg.model.source, *cfg.model.rope.values(), cfg.hardware.dtype, cfg.hardware.device)
     if key not in _MODELS:
         path = resolve_model(cfg.model.source)
         reader = open_gguf(path)
         sha = MODELS[cfg.model.source].sha256 if cfg.model.source in MODELS else sha256_file(path)
-        _MODELS[key] = (load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device), Tokenizer.from_gguf(reader),
-                        sha)
+        _MODELS[key] = (load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope),
+                        Tokenizer.from_gguf(reader), sha)
     return _MODELS[key]
 
 
