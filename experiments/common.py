@@ -98,12 +98,12 @@ _TARGETS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): on
 
 def load_target(cfg: GenerateConfig):
     """(model, tokenizer, GGUF sha256) of ``cfg.model`` on ``cfg.hardware``, loaded once per process."""
-    key = (cfg.model.source, cfg.hardware.dtype, cfg.hardware.device)
+    key = (cfg.model.source, *cfg.model.rope.values(), cfg.hardware.dtype, cfg.hardware.device)
     if key not in _TARGETS:
         path = resolve_model(cfg.model.source)
         reader = open_gguf(path)
         sha = MODELS[cfg.model.source].sha256 if cfg.model.source in MODELS else sha256_file(path)
-        _TARGETS[key] = (load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device),
+        _TARGETS[key] = (load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope),
                          Tokenizer.from_gguf(reader), sha)
     return _TARGETS[key]
 

@@ -217,10 +217,37 @@ def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     return s, rms_norm(s, w, eps)
 
 
-def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [n, 1, D/2] in dtype for positions pos [n]."""
+def rope_inv_freq(head_dim: int, base: float, device=None, factor: float = 1.0, orig_ctx: int = 0,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> tuple[torch.Tensor, float]:
+    """(inv_freq fp32 [D/2], the cos/sin scale) that ``rope_angles`` and ``kernels.rope.rope`` take.
+
+    ``factor`` 1: plain RoPE, base^(-2i/D), scale 1. Above 1, YaRN over an original context
+    of ``orig_ctx`` tokens, op for op as transformers' ``_compute_yarn_parameters`` (truncated
+    correction range): band i keeps its frequency where it turns more than ``beta_fast`` times over
+    ``orig_ctx``, is divided by the factor where it turns fewer than ``beta_slow`` times, and is
+    blended linearly between; the scale is 0.1 ln(factor) + 1.
+    """
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if factor == 1.0:
+        return 1.0 / pos_freqs, 1.0
+
+    def band(turns: float) -> float:  # the (fractional) band index that turns this often over orig_ctx
+        return head_dim * math.log(orig_ctx / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(band(beta_fast)), 0), min(math.ceil(band(beta_slow)), head_dim - 1)
+    if high == low:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = (1 - ramp).to(device)  # 1: the band keeps its frequency (extrapolates), 0: interpolated
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    return inv_freq, 0.1 * math.log(factor) + 1.0
+
+
+def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """cos, sin [n, 1, D/2] in dtype for positions pos [n], each times ``scale`` (YaRN's
+    attention factor) in fp32 before the cast, as transformers scales them."""
     freqs = pos.float()[:, None] * inv_freq[None, :]
-    return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+    return (freqs.cos() * scale).to(dtype)[:, None, :], (freqs.sin() * scale).to(dtype)[:, None, :]
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

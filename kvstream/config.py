@@ -27,7 +27,32 @@ def _choose(key: str, value: str, names) -> None:
 
 @dataclass
 class ModelSource:
+    """The model file and its rope scaling. Each rope field left null is the GGUF's own
+    (``{arch}.rope.scaling.type`` / ``.factor`` / ``.original_context_length``, the original
+    context defaulting to ``{arch}.context_length``); one that is given overrides the file's.
+    With YaRN the context limit is ``rope_factor x yarn_orig_ctx`` tokens."""
+
     source: str = "qwen2.5-coder-0.5b"  # a registered name or a path to a GGUF file
+    rope_scaling: str | None = None     # none | yarn | null: the GGUF's
+    rope_factor: float | None = None    # YaRN: context / original context (Qwen2.5: 4)
+    yarn_orig_ctx: int | None = None    # YaRN: the context the model was trained at (Qwen2.5: 32768)
+
+    def __post_init__(self):
+        if self.rope_scaling is not None:
+            _choose("model.rope_scaling", self.rope_scaling, ("none", "yarn"))
+        if self.rope_factor is not None and not self.rope_factor >= 1:
+            raise ValueError(f"model.rope_factor={self.rope_factor}: give a factor >= 1")
+        if self.yarn_orig_ctx is not None and self.yarn_orig_ctx < 1:
+            raise ValueError(f"model.yarn_orig_ctx={self.yarn_orig_ctx}: give the model's original context "
+                             "in tokens, >= 1")
+        if self.rope_scaling == "none" and (self.rope_factor, self.yarn_orig_ctx) != (None, None):
+            raise ValueError(f"model.rope_factor={self.rope_factor} / model.yarn_orig_ctx={self.yarn_orig_ctx} "
+                             "apply to YaRN, not to model.rope_scaling=none")
+
+    @property
+    def rope(self) -> dict:
+        """The rope overrides as ``read_config`` / ``load_model`` take them."""
+        return dict(rope_scaling=self.rope_scaling, rope_factor=self.rope_factor, yarn_orig_ctx=self.yarn_orig_ctx)
 
 
 @dataclass

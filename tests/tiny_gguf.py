@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter, quantize
+from gguf import GGUFWriter, RopeScalingType, quantize
 from gguf.constants import GGML_QUANT_SIZES
 
 from tiny_vocab import add_tiny_vocab, tiny_vocab
@@ -27,6 +27,7 @@ class TinySpec:
     types: tuple[QT, ...] = (QT.F32,)  # cycled over the 2-D weight tensors
     context_length: int = 512
     rope_base: float = 10000.0
+    yarn: tuple[float, int] | None = None  # (factor, original context): {arch}.rope.scaling.* keys
     seed: int = 0
 
 
@@ -83,6 +84,10 @@ def write_tiny_model(path: str | Path, spec: TinySpec = TinySpec(), tweak=None) 
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
     w.add_rope_freq_base(s.rope_base)
+    if s.yarn is not None:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(s.yarn[1])
     w.add_layer_norm_rms_eps(1e-6)
     add_tiny_vocab(w)
 

@@ -131,7 +131,7 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
     cache.check()
     if max_tokens > c.context_length:  # every mode: RoPE past the trained context is not this model any more
         raise ValueError(f"context of {max_tokens} tokens (the prompt and the new tokens) "
-                         f"exceeds the model's {c.context_length}")
+                         f"exceeds the model's {c.context_limit}")
     if cache.mode == "contiguous":
         return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, model.dtype, model.device)
     ring = cache.ring_slots

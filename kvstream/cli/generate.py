@@ -26,7 +26,7 @@ FREE_TEXT = ("prompt", "system", "spec.type")
 def run(cfg: GenerateConfig, out=sys.stdout) -> None:
     reader = open_gguf(resolve_model(cfg.model.source))
     tok = Tokenizer.from_gguf(reader)
-    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device)
+    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope)
     text = cfg.prompt
     if cfg.chat:
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": text}]

@@ -75,9 +75,9 @@ def run(cfg: PplConfig, out=sys.stdout) -> dict:
     if n_chunks is None and cfg.compare_logits is not None:
         n_chunks = LogprobFile(cfg.compare_logits).n_chunks
     chunks = split_chunks(tokens, cfg.ctx, n_chunks, tok.bos_id if tok.add_bos else None)
-    check_run(chunks, read_config(reader), batch=cfg.batch, logits_format=cfg.logits_format,
+    check_run(chunks, read_config(reader, **cfg.model.rope), batch=cfg.batch, logits_format=cfg.logits_format,
               save_logits=cfg.save_logits, compare_logits=cfg.compare_logits)  # before loading the weights
-    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device)
+    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope)
     meta = {"text": source, "model": str(cfg.model.source), "hardware": dataclasses.asdict(cfg.hardware)}
     new_cache = lambda n: make_cache(cfg.cache, cfg.arena, model, n, cfg.batch, all_logits=True)  # one per chunk
     result = perplexity(model, chunks, batch=cfg.batch, make_cache=new_cache, save_logits=cfg.save_logits,

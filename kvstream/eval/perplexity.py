@@ -340,7 +340,7 @@ def check_run(chunks: torch.Tensor, model_cfg, *, batch: int = 512, logits_forma
     ``model_cfg`` is the model's :class:`~kvstream.model.loader.ModelConfig` (cheap to read from a GGUF)."""
     ctx = chunks.shape[1]
     if ctx > model_cfg.context_length:
-        raise ValueError(f"ctx={ctx} exceeds the model's context length of {model_cfg.context_length} tokens")
+        raise ValueError(f"ctx={ctx} exceeds the model's context length of {model_cfg.context_limit}")
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if logits_format not in LOGITS_FORMATS:

@@ -22,13 +22,13 @@ class LayerOps:
         """(x + delta, RMSNorm(x + delta) * w); x itself when delta is None."""
         return (self._norm if self.triton else reference.add_rms_norm)(x, w, eps, delta)
 
-    def angles(self, pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    def angles(self, pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float):
         """What ``rope`` needs per step: the positions themselves for the kernel (it computes
-        the angles), cos/sin for the reference."""
-        return pos if self.triton else reference.rope_angles(pos, inv_freq, dtype)
+        the angles), cos/sin (times ``scale``, YaRN's attention factor) for the reference."""
+        return pos if self.triton else reference.rope_angles(pos, inv_freq, dtype, scale)
 
-    def rope(self, x: torch.Tensor, angles, inv_freq: torch.Tensor) -> torch.Tensor:
-        return self._rope(x, angles, inv_freq) if self.triton else reference.rope(x, *angles)
+    def rope(self, x: torch.Tensor, angles, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+        return self._rope(x, angles, inv_freq, scale) if self.triton else reference.rope(x, *angles)
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         return (self._silu_mul if self.triton else reference.silu_mul)(gu)

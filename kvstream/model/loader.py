@@ -23,6 +23,24 @@ class GGUFError(ValueError):
     """A GGUF file that kvstream cannot use; the message names the file and the cause."""
 
 
+ROPE_SCALINGS = ("none", "yarn")
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN rope scaling (Peng et al. 2023, arXiv:2309.00071) with the constants transformers'
+    ``_compute_yarn_parameters`` and llama.cpp default to: frequency bands that turn more than
+    ``beta_fast`` times over the original context keep their frequency, bands turning fewer than
+    ``beta_slow`` times are interpolated (divided by ``factor``), a linear ramp blends those
+    between; cos and sin are scaled by 0.1 ln(factor) + 1 (so q.k by its square). The fields are
+    ``kernels.reference.rope_inv_freq``'s arguments."""
+
+    factor: float
+    orig_ctx: int  # tokens the model was trained at
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str
@@ -35,8 +53,16 @@ class ModelConfig:
     vocab_size: int
     rope_base: float
     rms_eps: float
-    context_length: int
+    context_length: int  # the most tokens a run may hold: the GGUF's, or with YaRN factor x original
     tied_output: bool
+    yarn: Yarn | None = None
+
+    @property
+    def context_limit(self) -> str:
+        """The context limit in words, for errors: ``131072 tokens (YaRN: factor 4 x original 32768)``."""
+        if self.yarn is None:
+            return f"{self.context_length} tokens (model.rope_scaling=yarn extends it)"
+        return f"{self.context_length} tokens (YaRN: factor {self.yarn.factor:g} x original {self.yarn.orig_ctx})"
 
     @property
     def qkv_bias(self) -> bool:
@@ -68,7 +94,35 @@ def _field(reader: GGUFReader, key: str, default=None):
     return f.contents()
 
 
-def read_config(reader: GGUFReader) -> ModelConfig:
+def _rope_scaling(reader: GGUFReader, arch: str, scaling: str | None, factor: float | None,
+                  orig_ctx: int | None) -> tuple[Yarn | None, int]:
+    """(YaRN or None, the context limit) from the GGUF's ``{arch}.rope.scaling.*`` keys, each
+    argument that is not None overriding its key (``model.rope_scaling`` / ``rope_factor`` /
+    ``yarn_orig_ctx``). The original context defaults to ``{arch}.context_length``."""
+    key = f"{arch}.rope.scaling."
+    scaling = scaling or _field(reader, key + "type", "none")
+    if scaling not in ROPE_SCALINGS:
+        raise GGUFError(f"{key}type={scaling!r}: kvstream runs {' or '.join(ROPE_SCALINGS)} "
+                        f"(model.rope_scaling overrides the file's)")
+    orig = orig_ctx or int(_field(reader, key + "original_context_length", _field(reader, f"{arch}.context_length")))
+    if scaling == "none":
+        if factor is not None or orig_ctx is not None:
+            raise ValueError(f"model.rope_factor={factor} / model.yarn_orig_ctx={orig_ctx} apply to YaRN, but the "
+                             f"GGUF's rope is not scaled: add model.rope_scaling=yarn")
+        return None, orig
+    if factor is None:
+        if key + "factor" not in reader.fields:
+            raise GGUFError(f"YaRN needs a factor and the GGUF has no {key}factor: give model.rope_factor")
+        factor = float(_field(reader, key + "factor"))
+        if factor < 1:
+            raise GGUFError(f"{key}factor={factor}: a YaRN factor must be >= 1 (model.rope_factor overrides it)")
+    return Yarn(factor, orig), int(factor * orig)
+
+
+def read_config(reader: GGUFReader, rope_scaling: str | None = None, rope_factor: float | None = None,
+                yarn_orig_ctx: int | None = None) -> ModelConfig:
+    """The model's config from the GGUF's metadata; the rope arguments, when given, override the
+    file's rope scaling (``_rope_scaling``)."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"unsupported architecture {arch!r}; kvstream runs {', '.join(SUPPORTED_ARCHS)}")
@@ -83,6 +137,7 @@ def read_config(reader: GGUFReader) -> ModelConfig:
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise GGUFError("missing tensor 'token_embd.weight'")
+    yarn, context = _rope_scaling(reader, arch, rope_scaling, rope_factor, yarn_orig_ctx)
     return ModelConfig(
         arch=arch,
         n_layers=int(_field(reader, f"{arch}.block_count")),
@@ -94,8 +149,9 @@ def read_config(reader: GGUFReader) -> ModelConfig:
         vocab_size=int(vocab or embd.shape[1]),
         rope_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        context_length=int(_field(reader, f"{arch}.context_length")),
+        context_length=context,
         tied_output="output.weight" not in names,
+        yarn=yarn,
     )
 
 

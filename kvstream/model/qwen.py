@@ -2,19 +2,20 @@
 
 One sequence, tokens [n] -> logits. Qwen2 has QKV biases; Qwen3 has per-head RMSNorm on q and
 k (before RoPE) and no biases. RoPE is the NEOX layout llama.cpp uses for both archs (the two
-halves of each head rotate together), which is HF's ``rotate_half``.
+halves of each head rotate together), which is HF's ``rotate_half``; with YaRN (``cfg.yarn``)
+its frequencies are blended and cos/sin scaled as transformers does (``kernels/rope.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
 
-from kernels.reference import rms_norm
+from kernels.reference import rms_norm, rope_inv_freq
 
 from kvstream.cache.contiguous import ContiguousCache
 from kvstream.model.layer_ops import LayerOps
@@ -64,8 +65,8 @@ class Qwen:
         self.lm_head = self.embed if cfg.tied_output else w["output.weight"]
         self.layers = [Layer.from_weights(w, i) for i in range(cfg.n_layers)]
         self.ops = LayerOps(self.embed.device)
-        d = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.embed.device) / d))
+        yarn = asdict(cfg.yarn) if cfg.yarn else {}
+        self.inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_base, self.embed.device, **yarn)
 
     @property
     def device(self) -> torch.device:
@@ -94,7 +95,7 @@ class Qwen:
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_eps
         n = tokens.shape[0]
         cache.start_step()
-        angles = ops.angles(pos, self.inv_freq, self.dtype)
+        angles = ops.angles(pos, self.inv_freq, self.dtype, self.rope_scale)
         x, delta = F.embedding(tokens, self.embed), None
         H, D = cfg.n_heads, cfg.head_dim
         qk_width = (H + cfg.n_kv_heads) * D
@@ -106,7 +107,7 @@ class Qwen:
             v = qkv[:, qk_width:].view(n, cfg.n_kv_heads, D)
             if L.q_norm is not None:
                 qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)), 1)
-            qk = ops.rope(qk, angles, self.inv_freq)
+            qk = ops.rope(qk, angles, self.inv_freq, self.rope_scale)
             a = cache.attend(i, qk[:, :H], qk[:, H:], v).reshape(n, H * D)
             x, h = ops.add_rms_norm(x, L.ffn_norm, eps, F.linear(a, L.wo))
             delta = F.linear(ops.silu_mul(F.linear(h, L.w_gate_up)), L.w_down)
@@ -150,8 +151,9 @@ class Qwen:
         return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, self.dtype, self.device)
 
 
-def load_model(gguf, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Qwen:
-    """Load a GGUF (a path, or an open ``GGUFReader``) into a :class:`Qwen` on ``device`` in ``dtype``."""
+def load_model(gguf, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **rope) -> Qwen:
+    """Load a GGUF (a path, or an open ``GGUFReader``) into a :class:`Qwen` on ``device`` in ``dtype``;
+    ``rope`` (rope_scaling, rope_factor, yarn_orig_ctx) overrides the file's rope scaling (``read_config``)."""
     reader = gguf if isinstance(gguf, GGUFReader) else open_gguf(gguf)
-    cfg = read_config(reader)
+    cfg = read_config(reader, **rope)
     return Qwen(cfg, load_weights(reader, cfg, dtype, device))
