@@ -188,7 +188,7 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
     def record(losses: list[float]) -> None:
         loss, agree = evaluate(head, target, held, cfg.unroll, amp)
         curve.append({"step": step, "tokens_seen": step * cfg.batch * cfg.seq_len, "lr": sched.get_last_lr()[0],
-                      "train_loss": sum(losses) / len(losses) if losses else float("nan"), "heldout_loss": loss,
+                      "train_loss": sum(losses) / len(losses) if losses else None, "heldout_loss": loss,
                       **{f"agree_{s + 1}": a for s, a in enumerate(agree)}})
         write_curve(csv_path, curve)
 
