@@ -23,6 +23,7 @@ import contextlib
 import csv
 import dataclasses
 import math
+import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,7 +171,7 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s))
     step, curve, ckpt = 0, [], cfg.ckpt_path
     if cfg.resume and ckpt.is_file():
-        state = torch.load(ckpt, map_location=dev, weights_only=False)
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)  # RNG states must stay on the CPU
         if state["run"] != cfg.run_key():
             diff = {k: (v, cfg.run_key()[k]) for k, v in state["run"].items() if cfg.run_key()[k] != v}
             raise ValueError(f"{ckpt} belongs to another run ((checkpoint, now): {diff}); resume=false or another ckpt_dir")
@@ -228,8 +229,11 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
     bar.close()
     result = {"losses": losses, "curve": curve, "csv": csv_path}
     if step == cfg.steps:
-        sha = write_head(cfg.out, head, sha256_file(path), command, cfg.steps * cfg.batch * cfg.seq_len,
-                         cfg.steps, cfg.seed, cfg.out_type)
+        corpus = (f"{','.join(cfg.corpus)}: {len(train_files)} train / {len(held_files)} held-out files, "
+                  f"Python {platform.python_version()}")
+        sha = write_head(cfg.out, head, sha256_file(path), {
+            "command": command, "corpus": corpus, "tokens_seen": cfg.steps * cfg.batch * cfg.seq_len,
+            "steps": cfg.steps, "seed": cfg.seed}, cfg.out_type)
         print(f"head        {cfg.out}  sha256 {sha}\ncurve       {csv_path}\n"
               f"held-out    agreement per step {agreement(curve[-1], cfg.unroll)} after {step} steps")
         result |= {"gguf": Path(cfg.out), "sha256": sha}

@@ -152,17 +152,19 @@ def test_gguf_round_trip_is_exact(trained, target, target_path, tmp_path):
     assert sha256_file(result["gguf"]) == result["sha256"]
     head, meta = load_head(result["gguf"], target, sha256_file(target_path))
     assert meta["target_sha256"] == sha256_file(target_path) and meta["train.command"] == "pytest trained"
+    assert meta["train.corpus"].startswith("stdlib: ")
     assert meta["train.tokens_seen"] == 300 * 2 * 64 and meta["train.seed"] == 0 and meta["draft_vocab_size"] == 0
     assert meta["vocab_size"] == target.cfg.vocab_size and meta["feed_forward_length"] == target.cfg.ffn
     # with a draft vocabulary, and written again: bit-identical tensors and file
     d2t = torch.arange(3, 120, 3)
     other = random_head(target, ffn=40, d2t=d2t)
-    sha = write_head(tmp_path / "h.gguf", other, "ab" * 32, "cmd", 7, 1, 2, out_type="f32")
+    train = {"command": "cmd", "corpus": "", "tokens_seen": 7, "steps": 1, "seed": 2}
+    sha = write_head(tmp_path / "h.gguf", other, "ab" * 32, train, out_type="f32")
     back, meta = load_head(tmp_path / "h.gguf", target, "ab" * 32)
-    assert meta["draft_vocab_size"] == len(d2t) and torch.equal(back.d2t, d2t) and back.ffn == 40
+    assert meta["draft_vocab_size"] == len(d2t) and meta["train.corpus"] == "-" and torch.equal(back.d2t, d2t) and back.ffn == 40
     for name, p in other.state_dict().items():
         assert torch.equal(back.state_dict()[name], p), name
-    assert write_head(tmp_path / "h2.gguf", back, "ab" * 32, "cmd", 7, 1, 2, out_type="f32") == sha
+    assert write_head(tmp_path / "h2.gguf", back, "ab" * 32, train, out_type="f32") == sha
 
 
 def test_a_head_for_another_target_or_vocabulary_is_refused(trained, target, target_path, tmp_path):

@@ -16,8 +16,9 @@ its usual block names for the one decoder block; torch shapes as [rows, cols]):
 The embedding, final norm and LM head are not stored: they are the target's. Metadata
 (``kvstream-mtp.``): ``target_sha256``, ``vocab_size``, ``embedding_length``, ``head_count``,
 ``head_count_kv``, ``key_length``, ``feed_forward_length``, ``draft_vocab_size`` (0: the full
-vocabulary), ``train.command``, ``train.tokens_seen``, ``train.steps``, ``train.seed``. Norms are
-stored F32, matrices in ``out_type`` (f32 | f16 | bf16).
+vocabulary), and what the training app records as ``train.*``: ``command``, ``corpus``,
+``tokens_seen``, ``steps``, ``seed``. Norms and biases are stored F32, matrices in ``out_type``
+(f32 | f16 | bf16). (An empty string is written as "-": gguf's writer drops empty strings.)
 """
 
 from __future__ import annotations
@@ -55,21 +56,21 @@ def head_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
     return {name: w.detach().float().cpu() for name, w in t.items()}
 
 
-def write_head(path: str | os.PathLike, head: MTPHead, target_sha256: str, command: str, tokens_seen: int,
-               steps: int, seed: int, out_type: str = "f16") -> str:
-    """Write ``head`` to ``path``; returns the file's sha256."""
+def write_head(path: str | os.PathLike, head: MTPHead, target_sha256: str, train: dict[str, int | str],
+               out_type: str = "f16") -> str:
+    """Write ``head`` to ``path`` with ``train`` as its ``train.*`` keys (ints as uint64, the rest as
+    strings); returns the file's sha256."""
     if out_type not in OUT_TYPES:
         raise ValueError(f"out_type={out_type!r}; choose one of {', '.join(OUT_TYPES)}")
     c, k = head.cfg, ARCH + "."
     w = GGUFWriter(os.fspath(path), ARCH)
     for key, val in (("vocab_size", c.vocab_size), ("embedding_length", c.hidden), ("head_count", c.n_heads),
                      ("head_count_kv", c.n_kv_heads), ("key_length", c.head_dim), ("feed_forward_length", head.ffn),
-                     ("draft_vocab_size", 0 if head.d2t is None else head.draft_vocab),
-                     ("train.steps", steps), ("train.seed", seed)):
+                     ("draft_vocab_size", 0 if head.d2t is None else head.draft_vocab)):
         w.add_uint32(k + key, val)
-    w.add_uint64(k + "train.tokens_seen", tokens_seen)
     w.add_string(k + "target_sha256", target_sha256)
-    w.add_string(k + "train.command", command or "(not recorded)")  # the writer drops an empty string
+    for key, val in train.items():
+        w.add_uint64(k + "train." + key, val) if isinstance(val, int) else w.add_string(k + "train." + key, str(val) or "-")
     for name, t in head_tensors(head).items():
         a, qt = t.numpy(), OUT_TYPES[out_type] if t.dim() == 2 else QT.F32
         w.add_tensor(name, a) if qt == QT.F32 else w.add_tensor(name, quantize(a, qt), raw_dtype=qt)
