@@ -25,6 +25,7 @@ import dataclasses
 import math
 import platform
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,7 +204,7 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
 
     if not curve:
         record([])  # step 0: the untrained head
-    losses, since_eval = [], []
+    losses, since_eval, t0 = [], [], time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc="mtp", dynamic_ncols=True)
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
     while step < end:
@@ -227,6 +228,9 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
         bar.set_postfix(loss=f"{total:.3f}", heldout_agree=agreement(curve[-1], cfg.unroll))
         bar.update()
     bar.close()
+    dt = time.perf_counter() - t0
+    print(f"trained     {len(losses) * cfg.batch * cfg.seq_len:,} tokens in {dt:.1f} s "
+          f"({len(losses) * cfg.batch * cfg.seq_len / dt:,.0f} tok/s, evaluations and checkpoints included)")
     result = {"losses": losses, "curve": curve, "csv": csv_path}
     if step == cfg.steps:
         corpus = (f"{','.join(cfg.corpus)}: {len(train_files)} train / {len(held_files)} held-out files, "
