@@ -57,12 +57,14 @@ def test_shapes_and_shared_views(tmp_path, tied, n_draft):
     for shared, own in ((head.embed, target.embed), (head.out_norm, target.out_norm), (head.lm_head, target.lm_head),
                         (head.inv_freq, target.inv_freq)):
         assert shared.data_ptr() == own.data_ptr() and shared.shape == own.shape
-    target_ptrs = {t.data_ptr() for t in target.tensors().values()}
-    assert not target_ptrs & {p.data_ptr() for p in head.parameters()}
+    assert head.shares(target)
+    assert not head.shares(load_model(tmp_path / "t.gguf"))  # the same weights, loaded again: other storage
     assert set(head.state_dict()) == {"enorm", "hnorm", "eh_proj", "attn_norm", "wqkv", "bqkv", "wo", "ffn_norm",
                                       "w_gate_up", "w_down"}
     qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-    assert sum(p.numel() for p in head.parameters()) == 4 * d + 2 * d * d + qkv * (d + 1) + d * c.n_heads * c.head_dim + 3 * 48 * d
+    own = 4 * d + 2 * d * d + qkv * (d + 1) + d * c.n_heads * c.head_dim + 3 * 48 * d
+    assert sum(p.numel() for p in head.parameters()) == own
+    assert head.nbytes == 4 * (own + (n_draft or 0) * d)  # fp32; a draft vocabulary adds its gathered rows
     if n_draft is None:
         assert head.lm_rows is target.lm_head
     else:

@@ -73,8 +73,23 @@ class MTPHead(torch.nn.Module):
         self.embed, self.out_norm, self.lm_head, self.inv_freq = target.embed, target.out_norm, target.lm_head, target.inv_freq
         self.d2t = None if d2t is None else d2t.to(device=self.embed.device, dtype=torch.long)
         self.lm_rows = self.lm_head if d2t is None else self.lm_head.index_select(0, self.d2t)
-        assert all(a is b for a, b in ((self.embed, target.embed), (self.lm_head, target.lm_head),
-                                       (self.out_norm, target.out_norm)))
+        assert self.shares(target)
+
+    def shares(self, target: Qwen) -> bool:
+        """The embedding, final norm, LM head and RoPE frequencies are ``target``'s storage, and no
+        weight of the head's own is (to assert after moving either, e.g. into an arena)."""
+        ours = [(self.embed, target.embed), (self.out_norm, target.out_norm), (self.lm_head, target.lm_head),
+                (self.inv_freq, target.inv_freq)]
+        theirs = {t.data_ptr() for t in target.tensors().values()}
+        return (all(a.data_ptr() == b.data_ptr() and a.shape == b.shape for a, b in ours)
+                and not theirs & {p.data_ptr() for p in self.parameters()})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the head adds to the target: its own weights, and the gathered LM-head rows of a
+        draft vocabulary (its one layer of KV is the cache's)."""
+        own = sum(p.numel() * p.element_size() for p in self.parameters())
+        return own + (0 if self.d2t is None else self.lm_rows.numel() * self.lm_rows.element_size())
 
     @property
     def draft_vocab(self) -> int:
