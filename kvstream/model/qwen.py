@@ -89,9 +89,10 @@ class Qwen:
         # a slab's buffers are the phase's: the caller keeps its own copy of the logits
         return logits.clone() if pooled else logits
 
-    def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
+    def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
         """The device side of ``forward`` between ``cache.begin`` and ``cache.commit``: no host
-        decisions, no host syncs, so a decode step can be captured as a CUDA graph."""
+        decisions, no host syncs, so a decode step can be captured as a CUDA graph. ``hidden``:
+        return ``(logits, h)`` with h the residual stream before the final norm (an MTP head's input)."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_eps
         n = tokens.shape[0]
         cache.start_step()
@@ -113,9 +114,10 @@ class Qwen:
             delta = F.linear(ops.silu_mul(F.linear(h, L.w_gate_up)), L.w_down)
         if not all_logits:
             x, delta = x[-1:], delta[-1:]
-        logits = F.linear(ops.add_rms_norm(x, self.out_norm, eps, delta)[1], self.lm_head).float()
+        x, h = ops.add_rms_norm(x, self.out_norm, eps, delta)
+        logits = F.linear(h, self.lm_head).float()
         cache.end_step()
-        return logits
+        return (logits, x) if hidden else logits
 
     __call__ = forward
 

@@ -1,0 +1,173 @@
+"""The MTP draft head: one decoder block on top of a frozen Qwen2 target (EAGLE / DeepSeek-V3 MTP).
+
+    x      = eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)])     # 2d -> d; DeepSeek-V3's order, e first
+    g      = x + attn(attn_norm(x));  g = g + ffn(ffn_norm(g))  # one block, the target's attention shape
+    logits = lm_head(out_norm(g))                               # the target's own tensors, shared
+
+``h_t`` is the target's residual stream after its last block, before its final norm
+(``Qwen.body(..., hidden=True)``); ``x_{t+1}`` sits at position t+1 and the head predicts the token
+after it. Drafting chains: step j+1 reads step j's ``g`` and the token step j drafted, one position
+further on. The block has Qwen2's q/k/v biases and RoPE with the target's ``inv_freq``; its FFN
+width is a knob. ``embed``, ``out_norm``, ``lm_head`` and ``inv_freq`` are the target's tensors
+(never copied, never trained, not in the state dict).
+
+Draft vocabulary (optional): ``d2t`` [N], the N most frequent target ids of the training data; the
+head then scores only those rows and ``to_target`` maps its argmax back. Rows picked by an index
+cannot be a view, so the N rows are gathered ONCE into ``lm_rows`` (N x d, e.g. 32768 x 896 x 2 B =
+56 MiB for the 0.5B in bf16, beside the 260 MiB tied embedding it is taken from); gathering them per
+step instead would read 2N rows and write N before the N-row matmul, which beats the full V-row head
+only for N < V / 3. The head's LM matmul shrinks by V / N (4.6x at N = 32768).
+
+Training-time test (EAGLE-3): ``unroll`` runs k draft steps over a whole sequence at once. At step s
+the query of row i (the chain that starts from true target features at i) attends to the step-1 keys
+of rows <= i, which are what the committed context's head KV holds when drafting from i (each built
+from true target features), and to its own chain's keys from steps 2..s at row i (a diagonal): the
+keys drafting from i would have appended. So every unrolled logit equals the one ``step`` computes
+in a real drafting chain with the same tokens (tests/test_mtp.py checks it), and the head is trained
+on its own fed-back hidden states, as it will be used, instead of only on the target's (EAGLE-1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.reference import rms_norm, rope, rope_angles, silu_mul
+
+from kvstream.cache.contiguous import ContiguousCache
+from kvstream.model.qwen import Qwen
+
+
+def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """q [n, H, D]; ks / vs: per unrolled step so far, [n, KVH, D] -> [n, H, D]. Row i sees the
+    first step's rows <= i and row i of every later step (module docstring)."""
+    n, H, _ = q.shape
+    rep = H // ks[0].shape[1]
+    k = torch.cat(ks).repeat_interleave(rep, 1)  # explicit GQA: SDPA's masked CUDA kernels take equal heads
+    v = torch.cat(vs).repeat_interleave(rep, 1)
+    i = torch.arange(n, device=q.device)
+    mask = torch.cat([i[:, None] >= i[None, :]] + [i[:, None] == i[None, :]] * (len(ks) - 1), 1)
+    t = lambda x: x.transpose(0, 1)[None]
+    return F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=mask)[0].transpose(0, 1)
+
+
+class MTPHead(torch.nn.Module):
+    """The head's own weights (parameters) and views of the target's shared tensors."""
+
+    def __init__(self, target: Qwen, ffn: int | None = None, d2t: torch.Tensor | None = None, seed: int = 0):
+        super().__init__()
+        c = target.cfg
+        if c.arch != "qwen2":
+            raise ValueError(f"the MTP head is built for qwen2 targets (q/k/v biases, no q/k norms), not {c.arch}")
+        self.cfg, self.ffn = c, ffn or c.ffn
+        d, H, KVH, D = c.hidden, c.n_heads, c.n_kv_heads, c.head_dim
+        g = torch.Generator().manual_seed(seed)
+        mat = lambda rows, cols: torch.nn.Parameter(torch.randn(rows, cols, generator=g) / cols ** 0.5)
+        ones = lambda n: torch.nn.Parameter(torch.ones(n))
+        self.enorm, self.hnorm, self.eh_proj = ones(d), ones(d), mat(d, 2 * d)
+        self.attn_norm, self.wqkv = ones(d), mat((H + 2 * KVH) * D, d)
+        self.bqkv = torch.nn.Parameter(torch.zeros((H + 2 * KVH) * D))
+        self.wo, self.ffn_norm = mat(d, H * D), ones(d)
+        self.w_gate_up, self.w_down = mat(2 * self.ffn, d), mat(d, self.ffn)
+        # shared with the target: plain attributes, so .to() / state_dict() / parameters() leave them alone
+        self.embed, self.out_norm, self.lm_head, self.inv_freq = target.embed, target.out_norm, target.lm_head, target.inv_freq
+        self.d2t = None if d2t is None else d2t.to(device=self.embed.device, dtype=torch.long)
+        self.lm_rows = self.lm_head if d2t is None else self.lm_head.index_select(0, self.d2t)
+        assert self.shares(target)
+
+    def shares(self, target: Qwen) -> bool:
+        """The embedding, final norm, LM head and RoPE frequencies are ``target``'s storage, and no
+        weight of the head's own is (to assert after moving either, e.g. into an arena)."""
+        ours = [(self.embed, target.embed), (self.out_norm, target.out_norm), (self.lm_head, target.lm_head),
+                (self.inv_freq, target.inv_freq)]
+        theirs = {t.data_ptr() for t in target.tensors().values()}
+        return (all(a.data_ptr() == b.data_ptr() and a.shape == b.shape for a, b in ours)
+                and not theirs & {p.data_ptr() for p in self.parameters()})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the head adds to the target: its own weights, and the gathered LM-head rows of a
+        draft vocabulary (its one layer of KV is the cache's)."""
+        own = sum(p.numel() * p.element_size() for p in self.parameters())
+        return own + (0 if self.d2t is None else self.lm_rows.numel() * self.lm_rows.element_size())
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.lm_rows.shape[0]
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (the identity without a draft vocabulary)."""
+        return ids if self.d2t is None else self.d2t[ids]
+
+    # ---- the block, in pieces shared by `step` and `unroll` ---------------------------------------
+
+    def _input(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        eps, dt = self.cfg.rms_eps, self.eh_proj.dtype
+        e = F.embedding(tokens, self.embed).to(dt)
+        return F.linear(torch.cat((rms_norm(e, self.enorm, eps), rms_norm(h.to(dt), self.hnorm, eps)), -1), self.eh_proj)
+
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor):
+        c, n = self.cfg, x.shape[0]
+        qkv = F.linear(rms_norm(x, self.attn_norm, c.rms_eps), self.wqkv, self.bqkv)
+        w = (c.n_heads + c.n_kv_heads) * c.head_dim
+        qk = rope(qkv[:, :w].view(n, -1, c.head_dim), *rope_angles(pos, self.inv_freq, qkv.dtype))
+        return qk[:, :c.n_heads], qk[:, c.n_heads:], qkv[:, w:].view(n, c.n_kv_heads, c.head_dim)
+
+    def _block_out(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        g = x + F.linear(a.reshape(x.shape[0], -1), self.wo)
+        return g + F.linear(silu_mul(F.linear(rms_norm(g, self.ffn_norm, self.cfg.rms_eps), self.w_gate_up)), self.w_down)
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """[n, d] block outputs -> [n, draft_vocab] float32 logits."""
+        h = rms_norm(g, self.out_norm, self.cfg.rms_eps)
+        return F.linear(h.to(self.lm_rows.dtype), self.lm_rows).float()
+
+    # ---- inference ---------------------------------------------------------------------------------
+
+    def new_cache(self, max_tokens: int, dtype: torch.dtype | None = None) -> ContiguousCache:
+        """The head's one layer of K/V; ``truncate(length)`` drops rejected draft rows."""
+        c = self.cfg
+        return ContiguousCache(1, c.n_kv_heads, c.head_dim, max_tokens, dtype or self.eh_proj.dtype, self.eh_proj.device)
+
+    def step(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [n, d] (target pre-norm states, or the previous step's output), tokens [n] at positions
+        pos [n] int64 (the rows continue ``kv``) -> (logits [n, draft_vocab], h_out [n, d]).
+        Appends n rows to ``kv``; each row attends to the cache's rows and the new ones up to its own."""
+        x = self._input(h, tokens)
+        q, k, v = self._qkv(x, pos)
+        kv.begin(tokens.shape[0])
+        a = kv.attend(0, q, k, v)
+        kv.commit()
+        g = self._block_out(x, a)
+        return self.logits(g), g
+
+    @torch.no_grad()
+    def draft(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, k: int, kv) -> torch.Tensor:
+        """Greedy chain of k draft tokens (target ids) [k]. h / tokens / pos: the n newly committed
+        rows (true target features, kept in ``kv``); the last one's argmax is the first draft, each
+        later step feeds back its own h_out and token. ``kv`` grows by n + k - 1 rows: truncate it to
+        its length before the call + n after verification (drafted rows carry the head's own states)."""
+        out = []
+        for j in range(k):
+            logits, g = self.step(h, tokens, pos, kv)
+            tokens = self.to_target(logits[-1:].argmax(-1))
+            h, pos = g[-1:], pos[-1:] + 1
+            out.append(tokens)
+        return torch.cat(out)
+
+    # ---- training ----------------------------------------------------------------------------------
+
+    def unroll(self, h: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """Training-time test over one sequence: h [T, d] target pre-norm states of tokens [T] ->
+        for s = 1..k, logits [T - s, draft_vocab]; row i of step s predicts the token after position
+        i + s, having been fed tokens[i + s] and the step s - 1 output of its chain (step 1: h[i])."""
+        T, ks, vs, out = tokens.shape[0], [], [], []
+        for s in range(1, k + 1):
+            n = T - s
+            x = self._input(h[:n], tokens[s:])
+            q, kk, vv = self._qkv(x, torch.arange(s, T, device=tokens.device))
+            ks.append(kk)
+            vs.append(vv)
+            h = self._block_out(x, ttt_attention(q, [t[:n] for t in ks], [t[:n] for t in vs]))
+            out.append(self.logits(h))
+        return out
