@@ -108,8 +108,7 @@ def eject_threshold(runs: pd.DataFrame, eject: str) -> float:
 def _crossing(ctx: np.ndarray, d: np.ndarray, above: float):
     """(i, context) of the first change of d = keep - eject from > 0 to <= 0, bracketed by ctx[i],
     ctx[i+1] with ctx[i] > above, linearly interpolated; or None. A bracket that starts at or below
-    the eject threshold is skipped: both arms run the same draft there, so d > 0 is noise (on the H200
-    it made a "crossover" of 4713 tokens out of a 4% difference at 4096 and ejecting winning at 12288)."""
+    the eject threshold is skipped: both arms run the same draft there, so d > 0 is noise."""
     for i in range(len(d) - 1):
         if ctx[i] > above and d[i] > 0 >= d[i + 1]:
             return i, ctx[i] + d[i] / (d[i] - d[i + 1]) * (ctx[i + 1] - ctx[i])

@@ -257,7 +257,8 @@ def register_schema(name: str, cls: type) -> None:
 def to_typed(cfg: DictConfig, cls: type[T]) -> T:
     """Validate ``cfg`` against dataclass ``cls`` (unknown keys and wrong types are errors)."""
     schema = OmegaConf.structured(cls)
-    return OmegaConf.to_object(OmegaConf.merge(schema, cfg))
+    # as plain values: a config composed on the schema keeps keys added with +key=value
+    return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.to_container(cfg)))
 
 
 def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> None:
