@@ -9,6 +9,8 @@ Reads ``runs.csv`` (one row per decode cell) and ``steps.csv`` (one row per deco
   over reps) and predicted by a cost model fitted on ``steps.csv``, and their relative error;
 - ``best_threshold.csv``: per context, the best fixed arm and how close ``auto`` comes to it.
 Contexts are prompt tokens; pages per layer of a crossover are ``context / 256`` (fractional).
+A row's arm is named from what it ran (``arm_label`` of its ``policy``, ``keep_pages`` and
+``spec_type`` columns), and a threshold arm's pages come from its ``keep_pages`` column.
 """
 
 from __future__ import annotations
@@ -23,24 +25,45 @@ import numpy as np
 import pandas as pd
 
 from experiments.cost_model import PAGE, CostModel, fit_cost_model, require
+from kvstream.speculators.base import normalize_name
 
 RUN_COLUMNS = ("arm", "context", "rep", "decode_tok_s")
 AUTO_GOAL = 0.95  # auto should reach this fraction of the best fixed threshold's tok/s
 PREDICTION_GOAL = 0.10  # predicted crossover within this relative error of the measured one
 
 
-def arm_order(arms) -> list[str]:
-    """none, keep, onset, always, keep_pages=N by N, auto, then anything else by name."""
-    def key(a: str):
-        if a.startswith("keep_pages="):
-            return (3, float(a.split("=", 1)[1]), a)
-        return ({"none": 0, "keep": 1, "onset": 2, "always": 3, "auto": 4}.get(a, 5), -1.0, a)
-    return sorted(set(arms), key=key)
+ARM_COLUMNS = ("policy", "keep_pages", "spec_type")  # what names a run's arm (arm_label)
+ARM_RANK = {"never": 1, "onset": 2, "always": 3, "keep_pages": 3, "auto": 4}  # by eject policy
+FIXED = ("never", "onset", "keep_pages", "always")  # eject policies with a fixed threshold
 
 
-def is_fixed(arm: str) -> bool:
-    """A fixed threshold: keep (infinite), onset (the capacity), keep_pages=N, always (0 pages)."""
-    return arm in ("keep", "onset", "always") or arm.startswith("keep_pages=")
+def arm_label(policy: str, keep_pages, spec_type: str) -> str:
+    """A run's arm from what it ran: ``none`` without speculation, else its eject policy, the
+    policy never being the arm ``keep`` and keep_pages ``keep_pages=N``; a speculator chain other
+    than the draft alone is appended (``keep[ngram-simple,draft]``), one curve per chain."""
+    names = [normalize_name(n) for n in str(spec_type).split(",")]
+    if names == ["none"]:
+        return "none"
+    arm = f"keep_pages={int(keep_pages)}" if policy == "keep_pages" else "keep" if policy == "never" else policy
+    return arm if names == ["draft"] else f"{arm}[{','.join(names)}]"
+
+
+def arms(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per arm of ``runs`` (index: its label) with its policy and keep_pages, in order:
+    none, keep, onset, always and keep_pages=N by N, auto, then anything else (other chains,
+    other policies) by name. ``fixed``: a fixed threshold of the draft alone."""
+    require(runs, ("arm", "policy", "keep_pages"), "runs.csv")
+    a = runs.drop_duplicates("arm")[["arm", "policy", "keep_pages"]].reset_index(drop=True)
+    alone = a["arm"] == [arm_label(p, k, "draft") for p, k in zip(a["policy"], a["keep_pages"])]
+    rank = [0 if arm == "none" else ARM_RANK.get(p, 5) if d else 5 for arm, p, d in zip(a["arm"], a["policy"], alone)]
+    pages = a["keep_pages"].where(a["policy"] == "keep_pages", -1.0).astype(float)
+    a = a.assign(fixed=alone & a["policy"].isin(FIXED), rank=rank, pages=pages)
+    return a.sort_values(["rank", "pages", "arm"]).set_index("arm")
+
+
+def arm_order(runs: pd.DataFrame) -> list[str]:
+    """The arms of ``runs`` in ``arms`` order."""
+    return list(arms(runs).index)
 
 
 def read_study(study: Path) -> tuple[pd.DataFrame, pd.DataFrame | None]:
@@ -50,6 +73,8 @@ def read_study(study: Path) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     if not (study / "runs.csv").is_file():
         raise FileNotFoundError(f"no runs.csv in {study}: pass the folder experiments/draft_threshold.py wrote")
     runs = pd.read_csv(study / "runs.csv", dtype={"run_id": str, "arm": str})
+    require(runs, ARM_COLUMNS, "runs.csv")
+    runs["arm"] = [arm_label(*r) for r in runs[list(ARM_COLUMNS)].itertuples(index=False)]
     files = [study / "steps.csv"] if (study / "steps.csv").is_file() else sorted((study / "steps").glob("*.csv"))
     steps = pd.concat([pd.read_csv(f, dtype={"run_id": str}) for f in files], ignore_index=True) if files else None
     return runs, steps
@@ -60,7 +85,7 @@ def decode_table(runs: pd.DataFrame) -> pd.DataFrame:
     require(runs, RUN_COLUMNS, "runs.csv")
     t = runs.groupby(["arm", "context"])["decode_tok_s"].agg(mean="mean", std="std", n="count").reset_index()
     t.insert(2, "pages_per_layer", -(-t["context"] // PAGE))
-    rank = {a: i for i, a in enumerate(arm_order(t["arm"]))}
+    rank = {a: i for i, a in enumerate(arm_order(runs))}
     t = t.sort_values(["arm", "context"], key=lambda s: s.map(rank) if s.name == "arm" else s)
     return t.reset_index(drop=True)
 
@@ -69,9 +94,11 @@ def eject_threshold(runs: pd.DataFrame, eject: str) -> float:
     """Context (tokens) up to which the eject arm still runs the draft, i.e. equals keep: N pages for
     keep_pages=N, 0 for always, else the onset (the largest capacity_with_draft: the capacity falls slightly with
     context as the decode slab grows); -inf when runs.csv does not say."""
-    if eject.startswith("keep_pages="):
-        return float(eject.split("=", 1)[1]) * PAGE
-    if eject == "always":
+    rows = runs[runs["arm"] == eject]
+    policy = rows["policy"].iloc[0] if len(rows) else eject
+    if policy == "keep_pages":
+        return float(rows["keep_pages"].iloc[0]) * PAGE
+    if policy == "always":
         return 0.0
     if "capacity_with_draft" in runs and runs["capacity_with_draft"].notna().any():
         return float(runs["capacity_with_draft"].max()) * PAGE
@@ -81,8 +108,7 @@ def eject_threshold(runs: pd.DataFrame, eject: str) -> float:
 def _crossing(ctx: np.ndarray, d: np.ndarray, above: float):
     """(i, context) of the first change of d = keep - eject from > 0 to <= 0, bracketed by ctx[i],
     ctx[i+1] with ctx[i] > above, linearly interpolated; or None. A bracket that starts at or below
-    the eject threshold is skipped: both arms run the same draft there, so d > 0 is noise (on the H200
-    it made a "crossover" of 4713 tokens out of a 4% difference at 4096 and ejecting winning at 12288)."""
+    the eject threshold is skipped: both arms run the same draft there, so d > 0 is noise."""
     for i in range(len(d) - 1):
         if ctx[i] > above and d[i] > 0 >= d[i + 1]:
             return i, ctx[i] + d[i] / (d[i] - d[i + 1]) * (ctx[i + 1] - ctx[i])
@@ -122,7 +148,7 @@ def crossover(runs: pd.DataFrame, keep: str = "keep", eject: str = "onset", n_bo
         sub = runs[runs["arm"] == arm]
         if sub.empty:
             raise ValueError(f"no runs with arm {arm!r} (keep/eject arms not found); arms present: "
-                             f"{arm_order(runs['arm'])}")
+                             f"{arm_order(runs)}")
         reps[arm] = {c: g.to_numpy(float) for c, g in sub.groupby("context")["decode_tok_s"]}
     ctx = np.array(sorted(set(reps[keep]) & set(reps[eject])), dtype=float)
     if len(ctx) < 2:
@@ -155,10 +181,11 @@ def best_threshold(runs: pd.DataFrame) -> pd.DataFrame:
     """Per context: the fastest fixed arm (keep, onset, keep_pages=N, always), plain decoding ("none"), and
     auto against the best fixed arm (goal: ratio >= 0.95) when an "auto" arm exists."""
     wide = decode_table(runs).pivot(index="context", columns="arm", values="mean")
-    fixed = arm_order(a for a in wide.columns if is_fixed(a))
+    a = arms(runs)
+    fixed = list(a.index[a["fixed"]])
     if not fixed:
         raise ValueError(f"no keep/eject arms found (keep, onset, always, keep_pages=N); arms present: "
-                         f"{arm_order(wide.columns)}")
+                         f"{arm_order(runs)}")
     f = wide[fixed].dropna(how="all")
     out = pd.DataFrame({"context": f.index, "pages_per_layer": -(-f.index // PAGE)})
     out["best_arm"] = f.idxmax(axis=1).to_numpy()  # ties go to the first arm in arm_order

@@ -4,11 +4,15 @@
 
 A cell is (arm, context, rep): the prompt is ``context`` tokens of source code (Python
 standard-library modules) followed by a review instruction, in the model's chat template;
-then ``max_new_tokens`` at the configured sampling (T = 0 in the studies). Arms:
+then ``max_new_tokens`` at the configured sampling (T = 0 in the studies). An arm is a config
+group (``conf/arm/``) that sets the speculation and the eject policy:
 
-- ``none``: no speculation;            - ``keep``: the draft is never ejected;
-- ``onset``: eject at the streaming onset; - ``pages<N>``: eject above N pages per layer;
+- ``none``: no speculation;            - ``keep``: the draft is never ejected (policy never);
+- ``onset``: eject at the streaming onset; - ``keep_pages``: eject above ``policy.keep_pages``;
 - ``auto``: the goodput-measuring policy;  - ``always``: eject at the first batch.
+
+runs.csv names each row's arm from what it ran (``experiments.crossover.arm_label`` of its
+``policy``, ``keep_pages`` and ``spec_type`` columns), as the analysis does.
 
 Each cell appends one row to ``<results>/<study>/runs.csv`` (full resolved config and
 provenance) and writes its per-step records to ``steps/<run_id>.csv``; a cell whose row exists
@@ -35,26 +39,25 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from experiments.common import load_target, provenance, review_prompt
-from kvstream.config import GenerateConfig, quote_free_text, to_typed
+from experiments.crossover import arm_label
+from kvstream.config import GenerateConfig, quote_free_text, register_schema, to_typed
 from kvstream.engine.gpu_clock import ClockSampler
 from kvstream.model.loader import is_skeleton, open_gguf
 from kvstream.model.registry import resolve_model
 from kvstream.engine.runner import run_decode
-from kvstream.speculators.base import parse_chain_spec
-
-ARMS = ("none", "keep", "onset", "auto", "always", "pages<N>")
 
 
 @dataclass
 class StudyConfig(GenerateConfig):
-    study: str = "draft_threshold"
-    arm: str = "onset"
-    context: int = 1024        # prompt tokens: source code + the review instruction
-    rep: int = 0
-    instruction: str = "Review the code above: point out bugs, unclear names and missing tests."
+    study: str = "draft_threshold"  # results land in <results>/<study>/
     results: str = "results"
-    progress: bool = True
-    prompt: str = ""  # generate's: unused here (below)
+    context: int = 1024        # prompt tokens: source code + the review instruction
+    rep: int = 0               # repetition index (a separate cell)
+    instruction: str = "Review the code above: point out bugs, unclear names and missing tests."
+    progress: bool = True      # a tqdm bar per cell's decode
+    prompt: str = ""           # generate's knob (as chat and system): refused set, see below
+    max_new_tokens: int = 256
+    ignore_eos: bool = True    # every cell decodes the same number of tokens
 
     def __post_init__(self):
         super().__post_init__()
@@ -63,21 +66,6 @@ class StudyConfig(GenerateConfig):
         if self.prompt or self.chat or self.system is not None:
             raise ValueError(f"prompt={self.prompt!r}, chat={self.chat}, system={self.system!r}: the study builds its "
                              "own prompt (source code + instruction, chat template); set context= and instruction=")
-
-
-def arm_config(cfg: StudyConfig) -> StudyConfig:
-    """The run an arm stands for: speculation and eject policy set from the arm's name."""
-    a, p = cfg.arm, cfg.policy
-    if a == "none":
-        return replace(cfg, spec=replace(cfg.spec, type="none"))
-    if a.startswith("pages") and a[5:].isdigit():
-        if int(a[5:]) < 1:
-            raise ValueError(f"arm={a!r}: pages<N> ejects above N pages per layer, N >= 1 (arm=always ejects at once)")
-        return replace(cfg, policy=replace(p, eject="keep_pages", keep_pages=int(a[5:])))
-    eject = {"keep": "never", "onset": "onset", "auto": "auto", "always": "always"}.get(a)
-    if eject is None:
-        raise ValueError(f"arm={a!r}; choose one of {', '.join(ARMS)}")
-    return replace(cfg, policy=replace(p, eject=eject))
 
 
 # runs.csv's columns, in order (``run_cell`` builds its row with exactly these)
@@ -115,8 +103,8 @@ def check_columns(runs: Path) -> None:
 def run_cell(cfg: StudyConfig) -> dict | None:
     """Run one cell unless its row exists; returns the row (None: skipped)."""
     out = Path(cfg.results) / cfg.study
-    run_cfg = arm_config(cfg)
-    resolved = asdict(run_cfg)
+    arm = arm_of(cfg)
+    resolved = asdict(cfg)
     for key in ("progress", "results"):  # where rows go and how they show: not part of the cell
         resolved.pop(key)
     run_id = hashlib.sha1(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -124,18 +112,18 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     if runs.exists():  # before any decoding
         check_columns(runs)
     if runs.exists() and run_id in set(pd.read_csv(runs, usecols=["run_id"], dtype=str)["run_id"]):
-        print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep}: done before ({run_id}), skipped")
+        print(f"[{cfg.study}] arm={arm} context={cfg.context} rep={cfg.rep}: done before ({run_id}), skipped")
         return None
-    model, tok, sha = load_target(run_cfg)
+    model, tok, sha = load_target(cfg)
     prompt = review_prompt(tok, cfg.context, cfg.instruction)
     if model.device.type == "cuda":  # Triton compiles per kernel variant (widths, rounds): never in a timed cell
-        run_decode(replace(run_cfg, max_new_tokens=24), model, tok, prompt)
-    print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep} ...", flush=True)
+        run_decode(replace(cfg, max_new_tokens=24), model, tok, prompt)
+    print(f"[{cfg.study}] arm={arm} context={cfg.context} rep={cfg.rep} ...", flush=True)
     held = _held_before(model.device)
     free = torch.cuda.mem_get_info(model.device)[0] if held is not None else None
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with ClockSampler(model.device) as clock:
-        r = run_decode(run_cfg, model, tok, prompt, progress=cfg.progress)
+        r = run_decode(cfg, model, tok, prompt, progress=cfg.progress)
     # the device's own count (torch's counts a slab pool's segments, which lie in the arena, twice),
     # while the run's cache and draft are still alive
     used = None if held is None else free - torch.cuda.mem_get_info(model.device)[0]
@@ -148,9 +136,9 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     stats = r.chain.stats() if r.chain else {}
     drafted = sum(s.drafted_tokens for s in stats.values())
     row = {
-        "run_id": run_id, "study": cfg.study, "arm": _arm_label(run_cfg), "policy": run_cfg.policy.eject,
-        "keep_pages": run_cfg.policy.keep_pages if run_cfg.policy.eject == "keep_pages" else None,
-        "spec_type": run_cfg.spec.type, "context": cfg.context, "rep": cfg.rep, "new_tokens": g.stats.new_tokens,
+        "run_id": run_id, "study": cfg.study, "arm": arm, "policy": cfg.policy.eject,
+        "keep_pages": cfg.policy.keep_pages if cfg.policy.eject == "keep_pages" else None,
+        "spec_type": cfg.spec.type, "context": cfg.context, "rep": cfg.rep, "new_tokens": g.stats.new_tokens,
         "decode_tok_s": g.stats.decode_tok_s, "prefill_tok_s": g.stats.prefill_tok_s,
         "capacity_with_draft": c.capacity_with if c else None,
         "capacity_without_draft": c.capacity_without if c else r.cache.capacity,
@@ -163,22 +151,22 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "wait_time_share": float(steps["wait_s"].sum() / steps["step_s"].sum())
         if len(steps) and steps["wait_s"].notna().all() else None,
         "speculators": json.dumps({n: s.as_dict() for n, s in stats.items()}),  # per speculator, fixed schema
-        "synthetic_acceptance": run_cfg.spec.synthetic_acceptance, "random_weights": is_skeleton(open_gguf(
-            resolve_model(run_cfg.model.source))),
-        "arena_mib": run_cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
+        "synthetic_acceptance": cfg.spec.synthetic_acceptance, "random_weights": is_skeleton(open_gguf(
+            resolve_model(cfg.model.source))),
+        "arena_mib": cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
         "beyond_arena_mib": None if held is None else (torch.cuda.max_memory_reserved() - held - r.cache.arena.nbytes) / 2**20,
         "end_beyond_arena_mib": None if held is None else (used - r.cache.arena.nbytes) / 2**20,
         "started_utc": started,  # with the clock: whether a slow cell's GPU ran slower, or beside what
         **{k: v for k, v in clock.summary().items() if k in ("sm_clock_mhz", "sm_clock_min_mhz")},
-        "model": run_cfg.model.source, "model_sha256": sha,
-        "draft_model": run_cfg.spec.draft.source if c else None, "device": run_cfg.hardware.device,
-        "dtype": run_cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],
+        "model": cfg.model.source, "model_sha256": sha,
+        "draft_model": cfg.spec.draft.source if c else None, "device": cfg.hardware.device,
+        "dtype": cfg.hardware.dtype, "prompt_sha1": hashlib.sha1(str(prompt).encode()).hexdigest()[:12],
         **provenance(), "config": json.dumps(resolved, sort_keys=True, default=str),
     }
     if tuple(row) != ROW_COLUMNS:  # appending would shift columns
         raise RuntimeError(f"run_cell's row and ROW_COLUMNS disagree: {sorted(set(row) ^ set(ROW_COLUMNS))}")
     pd.DataFrame([row]).to_csv(runs, mode="a", header=not runs.exists(), index=False)  # the row marks it done
-    print(f"[{cfg.study}] arm={cfg.arm} context={cfg.context}: {g.stats.line()}", flush=True)
+    print(f"[{cfg.study}] arm={arm} context={cfg.context}: {g.stats.line()}", flush=True)
     return row
 
 
@@ -201,14 +189,10 @@ def _held_before(device: torch.device) -> int | None:
     return torch.cuda.memory_reserved()
 
 
-def _arm_label(cfg: StudyConfig) -> str:
-    """The arm as the analysis names it; a speculator chain other than the draft alone is
-    appended (``keep[ngram-simple,draft]``), so a sweep over ``spec`` gives one curve each."""
-    names = parse_chain_spec(cfg.spec.type)
-    if not names:
-        return "none"
-    arm = f"keep_pages={cfg.arm[5:]}" if cfg.arm.startswith("pages") else cfg.arm
-    return arm if names == ["draft"] else f"{arm}[{','.join(names)}]"
+def arm_of(cfg) -> str:
+    """The arm a cell runs (a typed or a Hydra config), as runs.csv and the analysis name it."""
+    p = cfg.policy
+    return arm_label(p.eject, p.keep_pages if p.eject == "keep_pages" else None, cfg.spec.type)
 
 
 class Analyze(Callback):
@@ -247,9 +231,12 @@ def _main(cfg: DictConfig) -> None:
         # say so now, not when the sweep ends, and raise an error that holds no frames: Hydra keeps
         # every failed cell's exception until the sweep ends, and the frames of its traceback (and
         # of any exception chained to it) hold the cell's arena and caches
-        cell = f"[{cfg.study}] arm={cfg.arm} context={cfg.context} rep={cfg.rep}"
+        cell = f"[{cfg.study}] arm={arm_of(cfg)} context={cfg.context} rep={cfg.rep}"
         print(f"{cell} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise RuntimeError(f"{cell} failed: {type(e).__name__}: {e}") from None
+
+
+register_schema("draft_threshold_schema", StudyConfig)
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
     table = decode_table(runs)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     colors = {}
-    for arm in arm_order(table["arm"]):
+    for arm in arm_order(runs):
         t = table[table["arm"] == arm]
         bars = ax.errorbar(t["context"], t["mean"], yerr=t["std"].fillna(0), marker="o", ms=4, capsize=3, label=arm)
         colors[arm] = bars.lines[0].get_color()

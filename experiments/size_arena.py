@@ -16,7 +16,7 @@ from dataclasses import replace
 from hydra import compose, initialize_config_module
 
 from experiments.common import load_target
-from experiments.draft_threshold import StudyConfig, arm_config
+from experiments.draft_threshold import StudyConfig
 from kvstream.cache.arena import MIB
 from kvstream.cache.factory import make_cache
 from kvstream.config import quote_free_text, to_typed
@@ -31,7 +31,7 @@ def capacity_with_draft(cfg: StudyConfig, mib: float) -> tuple[int, object]:
     d = cfg.spec.draft
     max_tokens = cache_tokens(cfg.context, cfg.max_new_tokens, cfg.spec, model.cfg.context_length)
     host = DRAFT_HOSTS.get_host(d.source, tok, model.dtype, model.device)
-    cache = make_cache(cfg.cache, replace(cfg.arena, mib=str(mib)), model, max_tokens, cfg.prefill_chunk,
+    cache = make_cache(cfg.cache, replace(cfg.arena, mib=mib), model, max_tokens, cfg.prefill_chunk,
                        verify_width=1 + cfg.spec.n_max)
     draft = DraftModel(host, model.device, max_tokens=max_tokens, type_k=d.type_k, type_v=d.type_v, window=d.window,
                        chunk=d.chunk)
@@ -67,8 +67,8 @@ def main() -> None:
     overrides = [a for a in argv if not a.startswith("+")]
     quote_free_text(overrides, ("instruction", "spec.type"))
     with initialize_config_module("conf", version_base=None):
-        cfg = arm_config(to_typed(compose("draft_threshold", overrides=overrides), StudyConfig))
-    print(f"arena.mib={arena_for(replace(cfg, arm='keep'), pages, generous):.2f}")
+        cfg = to_typed(compose("draft_threshold", overrides=overrides), StudyConfig)
+    print(f"arena.mib={arena_for(cfg, pages, generous):.2f}")
 
 
 if __name__ == "__main__":

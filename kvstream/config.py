@@ -1,5 +1,12 @@
 """Typed run configuration: Hydra's DictConfig becomes these dataclasses at the entry point,
-so nothing below an entry point ever sees a DictConfig."""
+so nothing below an entry point ever sees a DictConfig.
+
+The dataclasses are the schema and the one home of every default: ``register_schema`` puts
+them in Hydra's ConfigStore, the primary configs in ``conf/`` list the schema first, and the
+group files set only what their choice changes. Every range check is in a ``__post_init__``,
+so ``to_typed`` refuses a bad value before any model is loaded; a knob is checked where the
+run reads it (``spec.n_max`` only with speculation, ``policy.keep_pages`` only for
+``keep_pages``)."""
 
 from __future__ import annotations
 
@@ -8,13 +15,16 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from kernels.formats import KV_TYPES
 from policies import chain_order, draft_length, eject
 from policies.residency import RESIDENCY
 
+from kvstream.engine.draft_control import CHARGED, GOODPUT_MIN
 from kvstream.model.sampling import SamplingParams
+from kvstream.speculators.base import parse_chain_spec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CACHE_MODES = ("contiguous", "resident", "stream")
@@ -23,6 +33,10 @@ CACHE_MODES = ("contiguous", "resident", "stream")
 def _choose(key: str, value: str, names) -> None:
     if value not in names:
         raise ValueError(f"{key}={value!r}; choose one of {', '.join(names)}")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -81,12 +95,24 @@ class CacheConfig:
     mode: str = "contiguous"   # contiguous (dense, model dtype) | resident (paged, all on device) | stream
     type_k: str = "q8_0"       # f16 | q8_0 | q4_0
     type_v: str = "q4_0"
-    ring_pages: str = "auto"   # stream mode: ring slots (K/V page pairs, two halves); auto: one round per layer
+    # stream mode: ring slots (K/V page pairs, >= 2), two halves that alternate. auto: each half
+    # holds every page a layer streams at full context (one attention call per layer), widened (up
+    # to 4 MiB) by bytes no resident page can use, so layers streaming a few pages share one copy;
+    # a number fixes it, and with it the pages per layer at every context
+    ring_pages: int | str = "auto"
     residency: str = "newest"  # newest | sink_newest (policies/residency.py)
-    residency_step: int = 1    # stream mode: the oldest resident pages leave this many at a time (fewer re-captures)
-    time_waits: bool = False   # paged modes on CUDA: time each step's transfer wait (StepRecord.wait_s); CPU: always
+    # the oldest resident pages leave this many at a time: the streamed set, and with it the
+    # captured step's copies, changes once per this many new pages (a re-capture costs tens of ms),
+    # at the price of up to step - 1 pool slots left empty until new pages fill them
+    residency_step: int = 1
+    # paged modes on CUDA: time each step's transfer wait (the steps' wait_s column; ring waits and
+    # uploads, kvstream/cache/wait_clock.py) with two one-thread kernels around each wait: ~1 us a
+    # wait, a few % of a streaming step's rate, so opt-in. CPU: always timed (free)
+    time_waits: bool = False
 
     def __post_init__(self):  # here, so that a sweep's bad cell fails before its model loads
+        if isinstance(self.ring_pages, str) and self.ring_pages.isdigit():  # a number given as text
+            self.ring_pages = int(self.ring_pages)
         self.check()
 
     def check(self) -> None:
@@ -95,22 +121,36 @@ class CacheConfig:
         _choose("cache.type_k", self.type_k, KV_TYPES)
         _choose("cache.type_v", self.type_v, KV_TYPES)
         _choose("cache.residency", self.residency, RESIDENCY)
-        if not str(self.residency_step).isdigit() or int(self.residency_step) < 1:
+        if not _whole(self.residency_step) or self.residency_step < 1:
             raise ValueError(f"cache.residency_step={self.residency_step!r}: give a whole number of pages >= 1")
         if not isinstance(self.time_waits, bool):
             raise ValueError(f"cache.time_waits={self.time_waits!r}: give true or false")
-        if str(self.ring_pages) != "auto" and not str(self.ring_pages).isdigit():
+        if self.ring_pages != "auto" and not _whole(self.ring_pages):
             raise ValueError(f"cache.ring_pages={self.ring_pages!r}: give a number of ring slots (>= 2) or auto")
+        if self.mode == "stream" and self.ring_pages != "auto" and self.ring_pages < 2:
+            raise ValueError(f"cache.ring_pages={self.ring_pages}: streaming needs >= 2 ring slots (two halves), "
+                             "or auto")
 
     @property
     def ring_slots(self) -> int | None:
         """``ring_pages`` as a number of slots (None: auto)."""
-        return None if str(self.ring_pages) == "auto" else int(self.ring_pages)
+        return None if self.ring_pages == "auto" else self.ring_pages
 
 
 @dataclass
 class ArenaConfig:
-    mib: str = "auto"          # MiB of the one device allocation, or auto: every page of the context fits
+    mib: float | int | str = "auto"  # MiB of the one device allocation, or auto: every page of the context fits
+
+    def __post_init__(self):
+        if self.mib == "auto":
+            return
+        try:
+            mib = float(self.mib)  # a number, or a number given as text
+        except (TypeError, ValueError):
+            mib = None
+        if isinstance(self.mib, bool) or mib is None or not 0 < mib < float("inf"):
+            raise ValueError(f"arena.mib={self.mib!r}: give a positive size in MiB, or auto")
+        self.mib = mib
 
 
 @dataclass
@@ -123,7 +163,8 @@ class DraftConfig:
     p_min: float = 0.75        # stop drafting when the draft's top probability falls below it
     chunk: int = 512           # catch-up tokens per draft forward pass (its compute slab)
 
-    def __post_init__(self):
+    def check(self, n_max: int) -> None:
+        """Run by ``SpecConfig`` when the chain has a draft model (else these knobs are not read)."""
         _choose("spec.draft.type_k", self.type_k, KV_TYPES)
         _choose("spec.draft.type_v", self.type_v, KV_TYPES)
         if self.chunk < 1:
@@ -134,6 +175,8 @@ class DraftConfig:
             raise ValueError(f"spec.draft.p_min={self.p_min}: a probability in [0, 1] (0: never stop early)")
         if self.n_min < 0:
             raise ValueError(f"spec.draft.n_min={self.n_min}: a number of draft tokens, >= 0")
+        if self.n_min > n_max:
+            raise ValueError(f"spec.draft.n_min={self.n_min} > spec.n_max={n_max}: every draft would be dropped")
 
 
 @dataclass
@@ -143,34 +186,60 @@ class SpecConfig:
     synthetic_acceptance: float | None = None  # alpha: keep each draft token with this probability (timing only)
     draft: DraftConfig = field(default_factory=DraftConfig)
 
-    def __post_init__(self):
+    def __post_init__(self):  # the numbers only where speculation reads them
+        try:
+            chain = parse_chain_spec(self.type)
+        except ValueError as e:
+            raise ValueError(f"spec.type={self.type!r}: {e}") from None
+        if not chain:
+            return
         if not 1 <= self.n_max <= 15:
             raise ValueError(f"spec.n_max={self.n_max}: a verify batch of 1 + n_max tokens must be 2..16")
         a = self.synthetic_acceptance
         if a is not None and not 0.0 <= a <= 1.0:
             raise ValueError(f"spec.synthetic_acceptance={a}: a probability in [0, 1], or null for real verification")
-        if self.draft.n_min > self.n_max:
-            raise ValueError(f"spec.draft.n_min={self.draft.n_min} > spec.n_max={self.n_max}: every draft would be dropped")
+        if "draft" in chain:
+            self.draft.check(self.n_max)
 
 
 @dataclass
 class PolicyConfig:
     eject: str = "onset"       # onset | keep_pages | never | always | auto (policies/eject.py)
-    keep_pages: int = 0        # keep_pages: eject above this many pages per layer
-    reenable_margin: int = 8   # re-enable once the working set is this many pages below the threshold (0: off)
+    keep_pages: int | None = None  # keep_pages: eject above this many pages per layer (no default: choose one)
+    reenable_margin: int = 8   # onset, keep_pages: re-enable once the working set is this many pages below (0: off)
     stable_decodes: int = 4    # decode batches between transitions (0: off)
     probe_pages: int = 16      # auto: a goodput measurement is fresh within this many pages
-    settle: int = 8            # auto: decode batches in a state before it is compared
-    margin: float = 0.03       # auto: relative goodput gain needed to switch state
+    measure_batches: int = 8   # auto: decode batches in a state before its goodput is compared
+    min_gain: float = 0.03     # auto: relative goodput gain needed to switch state
     trust_onset: bool = True   # auto: keep the draft while nothing streams (false: compare goodputs there too)
     horizon: bool = True       # auto: no transition the decode's remaining tokens cannot pay for (false: off)
     draft_length: str = "fixed"  # fixed (spec.n_max) | heuristic (+2 / -1) | goodput (policies/draft_length.py)
     chain_order: str = "fixed"   # fixed | by_goodput (policies/chain_order.py)
 
-    def __post_init__(self):  # the names only: their numbers are checked where the policy is built
+    def __post_init__(self):  # each number where the chosen policy reads it
         _choose("policy.eject", self.eject, eject.NAMES)
         _choose("policy.draft_length", self.draft_length, draft_length.POLICIES)
         _choose("policy.chain_order", self.chain_order, chain_order.POLICIES)
+        if self.stable_decodes < 0:
+            raise ValueError(f"policy.stable_decodes={self.stable_decodes}: decode batches between transitions, "
+                             ">= 0 (0: off)")
+        if self.eject == "keep_pages" and (self.keep_pages is None or self.keep_pages < 1):
+            raise ValueError(f"policy.keep_pages={self.keep_pages}: give the pages per layer above which "
+                             "keep_pages ejects, >= 1 (policy=always ejects at once)")
+        if self.eject in ("onset", "keep_pages") and self.reenable_margin < 0:
+            raise ValueError(f"policy.reenable_margin={self.reenable_margin}: pages below the threshold, >= 0 "
+                             "(0: off)")
+        if self.eject == "auto":
+            least = CHARGED + GOODPUT_MIN
+            if self.measure_batches < least:
+                raise ValueError(f"policy.measure_batches={self.measure_batches}: auto needs at least {least} "
+                                 f"batches in a state before comparing ({CHARGED} charged to the transition into "
+                                 f"it, {GOODPUT_MIN} to measure its rate)")
+            if self.probe_pages < 1:
+                raise ValueError(f"policy.probe_pages={self.probe_pages}: pages within which a measurement is "
+                                 "fresh, >= 1")
+            if self.min_gain < 0:
+                raise ValueError(f"policy.min_gain={self.min_gain}: a relative goodput gain, >= 0 (0.03: 3 %)")
 
 
 @dataclass
@@ -192,23 +261,30 @@ class GenerateConfig:
     chat: bool = False          # wrap the prompt in the GGUF's chat template
     system: str | None = None   # system message when chat=true
     max_new_tokens: int = 64
-    prefill_chunk: int = 512
-    ignore_eos: bool = False
+    prefill_chunk: int = 512    # prompt tokens per prefill forward pass
+    ignore_eos: bool = False    # keep generating past end-of-generation tokens
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: give a number of tokens >= 1")
         if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+            raise ValueError(f"prefill_chunk={self.prefill_chunk}: give a number of tokens per pass >= 1")
 
 
 T = TypeVar("T")
 
 
+def register_schema(name: str, cls: type) -> None:
+    """Store dataclass ``cls`` in Hydra's ConfigStore as ``name``: a primary config listing it
+    first in its defaults gets every knob, typed and with its default."""
+    ConfigStore.instance().store(name=name, node=cls)
+
+
 def to_typed(cfg: DictConfig, cls: type[T]) -> T:
     """Validate ``cfg`` against dataclass ``cls`` (unknown keys and wrong types are errors)."""
     schema = OmegaConf.structured(cls)
-    return OmegaConf.to_object(OmegaConf.merge(schema, cfg))
+    # as plain values: a config composed on the schema keeps keys added with +key=value
+    return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.to_container(cfg)))
 
 
 def hydra_literal(value: str) -> str:
@@ -228,3 +304,6 @@ def quote_free_text(argv: list[str], keys: tuple[str, ...]) -> None:
         key, eq, value = arg.partition("=")
         if eq and key.lstrip("+~") in keys:
             argv[i] = f"{key}={hydra_literal(value)}"
+
+
+register_schema("generate_schema", GenerateConfig)

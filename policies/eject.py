@@ -14,7 +14,8 @@ back to the resident-page pool; a *re-enable* pins them again. Families (DESIGN.
   decode is too short to pay for the transitions (their costs as measured in this decode).
   Below the onset it measures plain decoding in place (``MEASURE_PLAIN``), with no transition.
 
-Policies never read config; the entry point builds them (``build``).
+Policies never read config and hold no defaults of their own: the entry point builds them
+(``build``) with every number given (``kvstream.config.PolicyConfig`` holds the defaults).
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class KeepPages(Threshold):
 
     pages: int
 
+    def __post_init__(self):
+        assert self.pages >= 1, self
+
     def threshold(self, snap: Snapshot) -> int:
         return self.pages
 
@@ -118,7 +122,7 @@ class ReenablePages:
     threshold, so a context that hovers at the threshold does not flip every batch."""
 
     inner: Threshold
-    margin: int = 8
+    margin: int
 
     def decide(self, snap: Snapshot) -> Action:
         action = self.inner.decide(snap)
@@ -132,7 +136,7 @@ class StableDecodes:
     """No transition before ``n`` decode batches since the last one."""
 
     inner: object
-    n: int = 4
+    n: int
 
     def decide(self, snap: Snapshot) -> Action:
         action = self.inner.decide(snap)
@@ -147,22 +151,22 @@ class Auto:
     ``trust_onset``; without it the goodputs are compared there too, for drafts that may not
     pay even when nothing streams, e.g. launch-bound eager draft steps). Above, compare the
     measured goodputs. A measurement is *fresh* when taken within ``probe_pages``
-    pages of the current working set. Nothing is decided in the first ``settle`` batches of a
-    stint (until then the current state's measurement is the previous stint's). After that: if
-    the other state's measurement is missing or stale, switch to probe it; if both are fresh,
-    switch only when the other beats the current one by more than ``margin`` (relative). So
-    above the onset transitions are at least ``settle`` batches apart; a probe that finds the
-    other state worse returns once and, its result now fresh, is not repeated until the context
-    has moved ``probe_pages`` pages (or the current goodput has fallen ``margin`` below it); a
-    context that stands still sees one probe at most.
+    pages of the current working set. Nothing is decided in the first ``measure_batches``
+    batches of a stint (until then the current state's measurement is the previous stint's).
+    After that: if the other state's measurement is missing or stale, switch to probe it; if
+    both are fresh, switch only when the other beats the current one by more than ``min_gain``
+    (relative). So above the onset transitions are at least ``measure_batches`` batches apart; a
+    probe that finds the other state worse returns once and, its result now fresh, is not
+    repeated until the context has moved ``probe_pages`` pages (or the current goodput has
+    fallen ``min_gain`` below it); a context that stands still sees one probe at most.
 
     In the last page before the onset (anywhere below it without ``trust_onset``), with no fresh
     measurement of plain decoding, it asks for
     ``MEASURE_PLAIN``: plain steps with the draft still pinned. Nothing streams there in either
     state, so they run as an ejected draft's would. When the context then crosses the onset,
-    that measurement stays fresh for ``probe_pages`` pages, and the comparison needs no probe. An eject and a
-    re-enable cost ~0.3 s on the H200 study; the plain steps cost only the tokens they do not
-    draft.
+    that measurement stays fresh for ``probe_pages`` pages, and the comparison needs no probe. An
+    eject and a re-enable cost tenths of a second (re-layouts, graph captures, the draft's
+    catch-up); the plain steps cost only the tokens they do not draft.
 
     With ``horizon``, a transition must be able to pay for itself within the decode: the time
     left (``tokens_left`` at the current goodput) is compared with the measured transition
@@ -173,11 +177,14 @@ class Auto:
     not yet measured count as zero: the first probe of a decode is always made.
     """
 
-    probe_pages: int = 16
-    settle: int = 8
-    margin: float = 0.03
-    trust_onset: bool = True
-    horizon: bool = True
+    probe_pages: int      # a measurement is fresh within this many pages of the working set
+    measure_batches: int  # decode batches in a state before its goodput is compared
+    min_gain: float       # relative goodput gain needed to switch state
+    trust_onset: bool     # keep the draft at or below the onset without comparing
+    horizon: bool         # no transition the rest of the decode cannot pay for
+
+    def __post_init__(self):
+        assert self.probe_pages >= 1 and self.measure_batches >= 1 and self.min_gain >= 0, self
 
     def _fresh(self, snap: Snapshot, pages: int | None) -> bool:
         return pages is not None and abs(snap.pages_per_layer - pages) <= self.probe_pages
@@ -194,13 +201,13 @@ class Auto:
 
     def decide(self, snap: Snapshot) -> Action:
         below = snap.pages_per_layer <= snap.capacity_with_draft
-        if below and snap.plain_in_place and snap.decodes_since_transition >= self.settle \
+        if below and snap.plain_in_place and snap.decodes_since_transition >= self.measure_batches \
                 and not self._fresh(snap, snap.goodput_without_pages) \
                 and (not self.trust_onset or snap.pages_per_layer == snap.capacity_with_draft):
             return Action.MEASURE_PLAIN
         if self.trust_onset and below:
             return _toward(snap, True)
-        if snap.decodes_since_transition < self.settle:
+        if snap.decodes_since_transition < self.measure_batches:
             return Action.STAY
         with_ = (snap.goodput_with, snap.goodput_with_pages)
         without = (snap.goodput_without, snap.goodput_without_pages)
@@ -210,40 +217,30 @@ class Auto:
         if other is None or not self._fresh(snap, other_pages):
             switch, other = True, None  # probe
         else:
-            switch = other > cur * (1.0 + self.margin)
+            switch = other > cur * (1.0 + self.min_gain)
         if switch and self._pays(snap, cur, other):
             return _toward(snap, not snap.draft_active)
         return Action.STAY
 
 
-NAMES = ("onset", "keep_pages", "never", "always", "auto")  # build's names, for checking a config early
+NAMES = ("onset", "keep_pages", "never", "always", "auto")  # build's names
 
 
-def build(name: str, *, keep_pages: int = 0, reenable_margin: int = 8, stable_decodes: int = 4,
-          probe_pages: int = 16, settle: int = 8, margin: float = 0.03, trust_onset: bool = True,
-          horizon: bool = True):
-    """An eject policy by config name, wrapped in the default hysteresis (margin pages below
-    the threshold to re-enable, ``stable_decodes`` batches between transitions; 0 turns each
-    off). Names: onset, keep_pages, never, always, auto.
-
-    ``auto`` takes ``probe_pages``, ``settle``, ``margin``, ``trust_onset`` and ``horizon`` and
-    gets no ``ReenablePages`` (it has no threshold; freshness and ``margin`` are its
-    hysteresis). ``StableDecodes`` wraps it as it wraps the others, so no transition comes
-    sooner than ``stable_decodes`` batches after the last one; with ``settle >=
-    stable_decodes`` (the defaults) it binds only at the onset, since ``settle`` already spaces
-    the transitions above it.
-    """
-    base = {"onset": Onset(), "keep_pages": KeepPages(keep_pages), "never": Never(), "always": Always(),
-            "auto": Auto(probe_pages, settle, margin, trust_onset, horizon)}
-    assert tuple(base) == NAMES
-    if name not in base:
-        raise ValueError(f"policy.eject={name!r}; choose one of {', '.join(base)}")
-    if name == "keep_pages" and keep_pages < 1:
-        raise ValueError(f"policy.keep_pages must be >= 1 pages per layer for keep_pages, got {keep_pages}")
-    if name == "auto" and (probe_pages < 1 or settle < 1 or margin < 0):
-        raise ValueError(f"policy.eject=auto needs probe_pages >= 1, settle >= 1 and margin >= 0, got "
-                         f"probe_pages={probe_pages}, settle={settle}, margin={margin}")
-    policy = base[name]
+def build(name: str, *, keep_pages: int | None, reenable_margin: int, stable_decodes: int, probe_pages: int,
+          measure_batches: int, min_gain: float, trust_onset: bool, horizon: bool):
+    """The eject policy ``name`` (one of ``NAMES``), wrapped in its hysteresis: ``ReenablePages``
+    (``reenable_margin`` pages, threshold policies only) and ``StableDecodes`` (``stable_decodes``
+    batches between transitions); 0 turns either off. ``keep_pages`` is read by ``keep_pages``
+    only; ``probe_pages``, ``measure_batches``, ``min_gain``, ``trust_onset`` and ``horizon`` by
+    ``auto`` only, which has no threshold (freshness and ``min_gain`` are its hysteresis).
+    ``StableDecodes`` wraps ``auto`` too; with ``measure_batches >= stable_decodes`` it binds only
+    at the onset, since ``measure_batches`` already spaces the transitions above it."""
+    if name == "keep_pages":
+        policy = KeepPages(keep_pages)
+    elif name == "auto":
+        policy = Auto(probe_pages, measure_batches, min_gain, trust_onset, horizon)
+    else:
+        policy = {"onset": Onset, "never": Never, "always": Always}[name]()
     if reenable_margin and isinstance(policy, Threshold):
         policy = ReenablePages(policy, reenable_margin)
     if stable_decodes:

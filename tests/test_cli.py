@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
 
 from kvstream.cli.generate import FREE_TEXT, run
 from kvstream.config import GenerateConfig, quote_free_text, to_typed
@@ -74,13 +73,36 @@ def test_typed_config_rejects_bad_values():
     ("cache.residency=oldest", "cache.residency='oldest'; choose one of newest, sink_newest"),
     ("cache.residency_step=0", "cache.residency_step=0: give a whole number of pages >= 1"),
     ("cache.ring_pages=abc", "cache.ring_pages='abc': give a number of ring slots"),
+    ("cache=stream cache.ring_pages=1", "cache.ring_pages=1: streaming needs >= 2 ring slots"),
+    ("arena.mib=-5", "arena.mib=-5: give a positive size in MiB, or auto"),
+    ("arena.mib=lots", "arena.mib='lots': give a positive size in MiB, or auto"),
+    ("policy=keep_pages policy.keep_pages=0", "policy.keep_pages=0: give the pages per layer above which"),
+    ("policy=auto policy.measure_batches=5", "policy.measure_batches=5: auto needs at least 6 batches"),
+    ("policy=auto policy.min_gain=-0.1", "policy.min_gain=-0.1: a relative goodput gain, >= 0"),
+    ("policy.stable_decodes=-1", "policy.stable_decodes=-1: decode batches between transitions"),
     ("policy.eject=sometimes", "policy.eject='sometimes'; choose one of onset, keep_pages, never, always, auto"),
     ("policy.draft_length=long", "policy.draft_length='long'; choose one of fixed, heuristic, goodput"),
     ("policy.chain_order=random", "policy.chain_order='random'; choose one of fixed, by_goodput"),
 ])
 def test_bad_settings_name_the_key_and_the_value(override, message):
     with pytest.raises(ValueError, match=message):
-        cfg_for("spec=draft", "spec.n_max=4", override)
+        cfg_for("spec=draft", "spec.n_max=4", *override.split())
+
+
+def test_knobs_are_checked_where_the_run_reads_them():
+    """Without speculation the spec numbers are not read; keep_pages only for its policy."""
+    assert cfg_for("spec.n_max=99", "spec.draft.chunk=0").spec.n_max == 99
+    assert cfg_for("policy.keep_pages=0", "policy.measure_batches=1").policy.keep_pages == 0
+    with pytest.raises(ValueError, match="spec.draft.chunk=0"):
+        cfg_for("spec=ngram-simple-draft", "spec.draft.chunk=0")
+    cfg_for("spec=ngram-simple", "spec.draft.chunk=0")  # no draft model in the chain
+
+
+def test_numbers_are_typed():
+    cfg = cfg_for("cache=stream", "cache.ring_pages=8", "arena=fixed", "arena.mib=96")
+    assert (cfg.cache.ring_pages, cfg.cache.ring_slots, cfg.arena.mib) == (8, 8, 96.0)
+    assert isinstance(cfg.arena.mib, float) and cfg_for("arena.mib=auto").arena.mib == "auto"
+    assert cfg_for("cache=stream").cache.ring_slots is None  # auto
 
 
 def test_every_mode_refuses_a_context_beyond_the_model(tiny):
@@ -135,7 +157,7 @@ def test_speculative_generation_prints_the_same_greedy_text(tmp_path):
     assert spec.getvalue().splitlines()[0] == plain.getvalue().splitlines()[0]
     assert "spec ngram-simple:" in spec.getvalue() and "spec ngram-mod:" in spec.getvalue()
     with pytest.raises(Exception, match="spec.n_max=16"):
-        cfg_for("spec.n_max=16")
+        cfg_for("spec=ngram-simple", "spec.n_max=16")
     with pytest.raises(Exception, match="draftmodel"):
         run(cfg_for(*common, "spec.type=draftmodel"), io.StringIO())
 

@@ -23,6 +23,7 @@ from experiments.cost_model import (CostModel, acceptance_per_token, after_trans
                                     fit_cost_model, page_cost, page_costs, round_pages)
 from experiments.crossover import (PAGE, analyze, best_threshold, capacity_curve, crossover, decode_table,
                                    eject_threshold, main, predicted_crossover, read_study)
+from experiments.crossover import arm_label, arm_order
 from experiments.plot_draft_thresholds import plot
 
 CAP_WITH, CAP_WITHOUT = 10, 40  # pages/layer that fit with / without the draft
@@ -40,14 +41,20 @@ def tok_s(arm: str, p: float, keep_slope: float = 2.0) -> float:
             "auto": 0.97 * max(keep, keep if p <= CAP_WITH else 60.0, keep - 0.5 if p <= 20 else 61.0)}[arm]
 
 
+RAN = {"none": ("onset", None, "none"), "keep": ("never", None, "draft"), "keep_pages=20": ("keep_pages", 20, "draft")}
+
+
 def make_runs(arms=("none", "keep", "onset", "keep_pages=20", "auto"), reps=3, keep_slope=2.0, alpha=None):
+    """runs.csv rows of these arms: each row records what it ran (policy, keep_pages, spec_type)."""
     rows = []
     for arm in arms:
+        policy, keep_pages, spec_type = RAN.get(arm, (arm, None, "draft"))
         for p in PAGES:
             for r in range(reps):
                 # offsets -1, 0, +1 keep every mean exact while giving the bootstrap something to resample
                 off = (r - 1.0) if reps == 3 else 0.0
-                rows.append(dict(run_id=f"{arm}-{p}-{r}", arm=arm, policy=arm, keep_pages=None, context=p * PAGE,
+                rows.append(dict(run_id=f"{arm}-{p}-{r}", arm=arm, policy=policy, keep_pages=keep_pages,
+                                 spec_type=spec_type, context=p * PAGE,
                                  rep=r, new_tokens=64, decode_tok_s=tok_s(arm, p, keep_slope) + off,
                                  prefill_tok_s=1000.0, capacity_with_draft=CAP_WITH,
                                  capacity_without_draft=CAP_WITHOUT, ejects=0, reenables=0, acceptance_rate=0.7,
@@ -87,6 +94,15 @@ def write_study(tmp_path: Path, runs: pd.DataFrame, steps: pd.DataFrame | None =
     if steps is not None:
         steps.to_csv(tmp_path / "steps.csv", index=False)
     return tmp_path
+
+
+def test_the_arm_is_named_from_what_the_run_ran(tmp_path):
+    assert arm_label("never", None, "draft") == "keep"
+    assert arm_label("keep_pages", 64.0, "draft") == "keep_pages=64"
+    assert arm_label("onset", None, "none") == "none"
+    assert arm_label("never", None, "ngram-simple,draft") == "keep[ngram-simple,draft]"
+    runs = make_runs().assign(arm="a label the analysis does not read")
+    assert arm_order(read_study(write_study(tmp_path, runs))[0]) == ["none", "keep", "onset", "keep_pages=20", "auto"]
 
 
 def test_decode_table_mean_std_n():

@@ -287,13 +287,13 @@ def test_a_transition_is_charged_with_its_slow_first_batches(model, host):
     assert control.cost("eject") == eject.cost_s and control.transitions_rows()[0]["after_s"] == eject.after_s
 
 
-def test_auto_settle_must_cover_a_measured_stint():
+def test_auto_measure_batches_must_cover_a_measured_stint():
     from kvstream.config import PolicyConfig
     from kvstream.engine.runner import eject_policy
-    assert eject_policy(PolicyConfig(eject="auto", settle=6)).inner.settle == 6
-    with pytest.raises(ValueError, match=r"policy.settle=5: auto needs at least 6 batches in a state"):
-        eject_policy(PolicyConfig(eject="auto", settle=5))
-    eject_policy(PolicyConfig(eject="onset", settle=1))  # settle is auto's alone
+    assert eject_policy(PolicyConfig(eject="auto", measure_batches=6)).inner.measure_batches == 6
+    with pytest.raises(ValueError, match=r"policy.measure_batches=5: auto needs at least 6 batches in a state"):
+        PolicyConfig(eject="auto", measure_batches=5)
+    eject_policy(PolicyConfig(eject="onset", measure_batches=1))  # measure_batches is auto's alone
 
 
 def test_no_transition_after_the_last_token(model, host):

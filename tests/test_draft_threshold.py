@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import conf
 from experiments.common import review_prompt
-from experiments.draft_threshold import StudyConfig, analyze, arm_config, run_cell
+from experiments.draft_threshold import StudyConfig, analyze, arm_of, run_cell
 from kvstream.cli.ppl import PplConfig
 from kvstream.config import GenerateConfig, to_typed
 from kvstream.model.tokenizer import Tokenizer
@@ -63,16 +63,19 @@ def test_cells_write_rows_resume_and_analyse(tiny, tmp_path):
     assert set(steps["run_id"]) == set(runs["run_id"])
 
 
-def test_arms_map_to_policies(tiny, tmp_path):
+def test_arms_are_groups_that_set_the_policy_and_the_speculation(tiny, tmp_path):
     cfg = study_cfg(tiny, tmp_path)
-    assert arm_config(study_cfg(tiny, tmp_path, arm="none")).spec.type == "none"
-    assert arm_config(study_cfg(tiny, tmp_path, arm="pages12")).policy.keep_pages == 12
-    assert arm_config(study_cfg(tiny, tmp_path, arm="keep")).policy.eject == "never"
-    with pytest.raises(ValueError, match="arm='eject'; choose one of"):
-        arm_config(study_cfg(tiny, tmp_path, arm="eject"))
-    with pytest.raises(ValueError, match="arm='pages0': pages<N> ejects above N pages per layer, N >= 1"):
-        arm_config(study_cfg(tiny, tmp_path, arm="pages0"))  # before any model is loaded
-    assert cfg.policy.eject == "onset"
+    assert cfg.policy.eject == "onset" and arm_of(cfg) == "onset"
+    none = study_cfg(tiny, tmp_path, arm="none")
+    assert none.spec.type == "none" and arm_of(none) == "none"
+    keep = study_cfg(tiny, tmp_path, arm="keep")
+    assert keep.policy.eject == "never" and arm_of(keep) == "keep"
+    pages = study_cfg(tiny, tmp_path, arm="keep_pages", **{"policy.keep_pages": 12})
+    assert (pages.policy.eject, pages.policy.keep_pages, arm_of(pages)) == ("keep_pages", 12, "keep_pages=12")
+    with pytest.raises(Exception, match="arm"):  # not an option of conf/arm/
+        study_cfg(tiny, tmp_path, arm="eject")
+    with pytest.raises(ValueError, match=r"policy.keep_pages=0: give the pages per layer above which keep_pages"):
+        study_cfg(tiny, tmp_path, arm="keep_pages", **{"policy.keep_pages": 0})  # before any model is loaded
 
 
 @pytest.mark.parametrize("override", ["prompt=review", "chat=true", "system=terse"])
@@ -80,7 +83,7 @@ def test_generate_prompt_knobs_are_refused_not_ignored(tiny, tmp_path, override)
     """The study builds its own prompt: these would only change the run id (a new 'rep')."""
     key, value = override.split("=")
     with pytest.raises(ValueError, match="the study builds its own prompt"):
-        study_cfg(tiny, tmp_path, **{("+" if key != "prompt" else "") + key: value})
+        study_cfg(tiny, tmp_path, **{key: value})
 
 
 def test_size_arena_asks_for_the_pages_it_needs(monkeypatch):
@@ -104,20 +107,22 @@ def _options(group: str) -> list[str]:
 
 @pytest.mark.parametrize("group", ["model", "hardware", "cache", "arena", "spec", "policy"])
 def test_every_group_option_composes(group):
+    """A group file sets only what its choice changes; the rest comes from the schema."""
     for option in _options(group):
         if group == "hardware" and option != "cpu":
             continue  # a CUDA device is checked at typing time; the file itself composes below
         with initialize_config_module("conf", version_base=None):
-            cfg = compose("generate", overrides=[f"{group}={option}"])
+            needs = ["policy.keep_pages=64"] if (group, option) == ("policy", "keep_pages") else []  # no default
+            cfg = compose("generate", overrides=[f"{group}={option}", *needs])
             typed = to_typed(cfg, GenerateConfig)
         # every value the option's file sets reaches the typed config (nested: spec.draft)
-        want = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"))
+        want = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml")) or {}
         got = asdict(getattr(typed, group))
         want.pop("defaults", None)  # another option it extends: checked as that option
         for key, value in want.items():
             for k, v in (value.items() if isinstance(value, dict) else [(None, value)]):
                 have = got[key] if k is None else got[key][k]
-                assert str(have) == str(v), (group, option, key, k, have, v)
+                assert have == v, (group, option, key, k, have, v)
 
 
 @pytest.mark.parametrize("experiment", _options("experiment"))
@@ -128,6 +133,12 @@ def test_every_experiment_composes(experiment):
         grid = compose("draft_threshold", overrides=[f"experiment={experiment}"], return_hydra_config=True)
     assert typed.study == experiment  # results land in results/<experiment name>/
     assert grid.hydra.sweeper.params, "an experiment pins its sweep grid"
+    arms = str(grid.hydra.sweeper.params.get("arm", "")).split(",")
+    assert set(arms) - {""} <= set(_options("arm")), arms
+    with initialize_config_module("conf", version_base=None):  # each arm of the grid types, before any model loads
+        for arm in filter(None, arms):
+            to_typed(compose("draft_threshold", overrides=[f"experiment={experiment}", "hardware=cpu", f"arm={arm}"]),
+                     StudyConfig)
 
 
 def test_the_ppl_config_composes():

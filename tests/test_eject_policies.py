@@ -7,10 +7,21 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from policies.eject import (Action, Always, Auto, KeepPages, Never, Onset, ReenablePages, Snapshot, StableDecodes,
-                            build)
+from kvstream.config import PolicyConfig
+from kvstream.engine.runner import eject_policy
+from policies.eject import Action, Always, Auto, KeepPages, Never, Onset, ReenablePages, Snapshot, StableDecodes
 
 CAP_WITH, CAP_WITHOUT = 40, 52  # pages per layer with / without the draft pinned
+
+
+def build(name: str, **knobs):
+    """The eject policy ``name`` as a run builds it: the config's defaults, but for ``knobs``."""
+    return eject_policy(PolicyConfig(eject=name, **knobs))
+
+
+def make_auto(**knobs) -> Auto:
+    """Auto with the config's defaults but for ``knobs``, without the StableDecodes wrapper."""
+    return build("auto", stable_decodes=0, **knobs)
 
 
 def replay(policy, pages_trace, draft_active=True):
@@ -77,8 +88,8 @@ def test_build_wraps_the_default_hysteresis_and_rejects_bad_names():
     assert build("keep_pages", keep_pages=300).inner.inner == KeepPages(300)
     with pytest.raises(ValueError, match="policy.eject='sometimes'; choose one of onset, keep_pages, never, always, auto"):
         build("sometimes")
-    with pytest.raises(ValueError, match="keep_pages must be >= 1"):
-        build("keep_pages")
+    with pytest.raises(ValueError, match=r"policy.keep_pages=None: give the pages per layer"):
+        build("keep_pages")  # a threshold has no default
 
 
 # --- auto: goodput measured online -------------------------------------------------------------
@@ -100,18 +111,18 @@ def auto_snap(pages, active, since=100, with_=None, without=None, **horizon):
     (auto_snap(CAP_WITH - 1, True, plain_in_place=True), Action.STAY),
     (auto_snap(CAP_WITH, True, plain_in_place=True, without=(9.0, CAP_WITH - 16)), Action.STAY),
     (auto_snap(CAP_WITH, True), Action.STAY),
-    # not within `settle` batches of a transition; never above the onset (plain steps there would stream
+    # not within `measure_batches` batches of a transition; never above the onset (plain steps there would stream
     # with the draft's smaller pool: they are not the ejected state)
     (auto_snap(CAP_WITH, True, since=7, plain_in_place=True), Action.STAY),
     (auto_snap(CAP_WITH + 1, True, since=8, with_=(50.0, CAP_WITH + 1), plain_in_place=True), Action.EJECT),
 ])
 def test_auto_measures_plain_decoding_in_place_below_the_onset(snap, expected):
-    assert Auto().decide(snap) is expected
+    assert make_auto().decide(snap) is expected
 
 
 def test_auto_without_trusting_the_onset_measures_in_place_anywhere_below_it():
     below = CAP_WITH - 30
-    auto = Auto(trust_onset=False)
+    auto = make_auto(trust_onset=False)
     assert auto.decide(auto_snap(below, True, with_=(20.0, below), plain_in_place=True)) is Action.MEASURE_PLAIN
     assert auto.decide(auto_snap(below, True, with_=(20.0, below), without=(40.0, below))) is Action.EJECT  # worth it
     assert auto.decide(auto_snap(below, True, with_=(20.0, below), without=(10.0, below))) is Action.STAY
@@ -121,13 +132,13 @@ def test_auto_without_trusting_the_onset_measures_in_place_anywhere_below_it():
     # at or below the onset: the draft, whatever the numbers say
     (auto_snap(CAP_WITH, True, without=(999.0, CAP_WITH)), Action.STAY),
     (auto_snap(CAP_WITH, False, since=0, without=(999.0, CAP_WITH)), Action.REENABLE),
-    # above: nothing before `settle` batches of the stint
+    # above: nothing before `measure_batches` batches of the stint
     (auto_snap(60, True, since=7, with_=(50.0, 60)), Action.STAY),
     # the other state never measured, or measured more than probe_pages (16) ago: probe it
     (auto_snap(60, True, since=8, with_=(50.0, 60)), Action.EJECT),
     (auto_snap(60, True, with_=(50.0, 60), without=(10.0, 43)), Action.EJECT),
     (auto_snap(60, False, with_=(99.0, 43), without=(50.0, 60)), Action.REENABLE),
-    # both fresh: switch only past the 3 % margin
+    # both fresh: switch only past the 3 % min_gain
     (auto_snap(60, True, with_=(50.0, 60), without=(51.0, 44)), Action.STAY),
     (auto_snap(60, True, with_=(50.0, 60), without=(51.6, 44)), Action.EJECT),
     (auto_snap(60, False, with_=(51.6, 59), without=(50.0, 60)), Action.REENABLE),
@@ -137,7 +148,7 @@ def test_auto_without_trusting_the_onset_measures_in_place_anywhere_below_it():
     (auto_snap(60, True, with_=(50.0, 40), without=(99.0, 60)), Action.STAY),
 ])
 def test_auto_decisions(snap, expected):
-    assert Auto().decide(snap) is expected
+    assert make_auto().decide(snap) is expected
 
 
 @pytest.mark.parametrize("snap, expected", [
@@ -161,9 +172,9 @@ def test_auto_decisions(snap, expected):
     (auto_snap(60, False, with_=(50.0, 59), without=(40.0, 60), tokens_left=100, eject_s=9.0), Action.REENABLE),
 ])
 def test_auto_horizon(snap, expected):
-    assert Auto().decide(snap) is expected
+    assert make_auto().decide(snap) is expected
     # without the horizon the decision is the one for an unbounded decode
-    assert Auto(horizon=False).decide(snap) is Auto().decide(replace(snap, tokens_left=None))
+    assert make_auto(horizon=False).decide(snap) is make_auto().decide(replace(snap, tokens_left=None))
 
 
 # A synthetic engine for Auto. Goodput curves (tokens/s) over the context's pages per layer:
@@ -184,7 +195,7 @@ def eject_goodput(pages):
 
 KEEP_TOKENS = 3                 # tokens per verify round with the draft (accepted + bonus)
 REENABLE_S, EJECT_S = 0.05, 0.01  # re-pinning the draft (weights, its KV catching up) / unpinning
-WARMUP, WARMUP_SLOW = 2, 1.5    # the first batches of a stint run slower (what `settle` waits out)
+WARMUP, WARMUP_SLOW = 2, 1.5    # the first batches of a stint run slower (what `measure_batches` waits out)
 WINDOW = 4                      # goodput here (a model, not the engine's): tokens / seconds, last batches
 
 
@@ -260,21 +271,21 @@ def simulate(policy, start=30, end=400, page_tokens=PAGE, max_batches=100_000, n
 def test_auto_keeps_the_draft_below_the_crossover_and_ejects_soon_after_it(seed):
     auto = build("auto")
     run = simulate(auto, seed=seed)
-    probe, settle = auto.inner.probe_pages, auto.inner.settle
+    probe, measure = auto.inner.probe_pages, auto.inner.measure_batches
     assert all(p > CAP_WITH for p, a in run.transitions if a is Action.EJECT)  # never below the onset
-    # The curves sit within the 3 % margin of each other from ~211 to ~245 pages: either state is
+    # The curves sit within the 3 % min_gain of each other from ~211 to ~245 pages: either state is
     # right there, so the bounds below leave 2 probe intervals (32 pages) either side.
     near = 2 * probe
     stints = run.stints()
-    # below the crossover an eject is a probe: back after `settle` batches, once per probe_pages
+    # below the crossover an eject is a probe: back after `measure_batches` batches, once per probe_pages
     below = [n for active, p, n in stints if not active and p < CROSSOVER - near]
-    assert below and max(below) == settle
+    assert below and max(below) == measure
     assert len(below) <= (CROSSOVER - CAP_WITH) // probe + 1
     # the first eject that sticks comes near the crossover ...
-    first = next(p for active, p, n in stints if not active and n > settle)
+    first = next(p for active, p, n in stints if not active and n > measure)
     assert CROSSOVER - near <= first <= CROSSOVER + near
     # ... and past it the draft comes back only to probe
-    assert all(n <= settle for active, p, n in stints if active and p > CROSSOVER + near)
+    assert all(n <= measure for active, p, n in stints if active and p > CROSSOVER + near)
     assert len(run.transitions) <= 2 * ((400 - CAP_WITH) // probe + 2)
 
 
@@ -285,7 +296,7 @@ def test_auto_reaches_the_best_fixed_threshold():
     # the curves are what the test says they are: the best threshold on this 5-page grid lies within
     # two grid steps of the crossover (the batch-level simulation quantizes the gain near it)
     assert abs(best - CROSSOVER) <= 10, best
-    # probes cost settle batches in the worse state and two transitions per probe_pages pages
+    # probes cost measure_batches batches in the worse state and two transitions per probe_pages pages
     assert auto >= 0.95 * fixed[best], (auto, best, fixed[best])
     assert auto > max(fixed[CAP_WITH], fixed[400], simulate(build("always")).tokens_per_s)  # onset, never, always
 
@@ -293,7 +304,7 @@ def test_auto_reaches_the_best_fixed_threshold():
 @pytest.mark.parametrize("pages, transitions", [(100, ["eject", "reenable"]), (300, ["eject"]), (CROSSOVER, ["eject"])])
 def test_auto_does_not_flip_flop_on_a_standing_context(pages, transitions):
     """A context that stands still: one probe (and its return when the probe lost), then quiet;
-    at the crossover the two states are within the margin and the probe stays."""
+    at the crossover the two states are within min_gain and the probe stays."""
     run = simulate(build("auto"), start=pages, page_tokens=10**9, max_batches=2000)
     assert [a.value for _, a in run.transitions] == transitions
 
@@ -330,20 +341,23 @@ def test_auto_measuring_in_place_skips_the_probe_at_the_onset():
 
 def test_build_auto():
     p = build("auto")
-    assert isinstance(p, StableDecodes) and p.n == 4 and p.inner == Auto(probe_pages=16, settle=8, margin=0.03)
-    assert build("auto", stable_decodes=0, probe_pages=8, settle=4, margin=0.1) == Auto(8, 4, 0.1)
+    assert isinstance(p, StableDecodes) and p.n == 4
+    assert p.inner == Auto(probe_pages=16, measure_batches=8, min_gain=0.03, trust_onset=True, horizon=True)
+    assert make_auto(probe_pages=8, measure_batches=6, min_gain=0.1) == Auto(8, 6, 0.1, True, True)
     assert build("auto", horizon=False).inner.horizon is False and p.inner.horizon is True
-    for bad in ({"probe_pages": 0}, {"settle": 0}, {"margin": -0.1}):
-        with pytest.raises(ValueError, match="auto needs probe_pages >= 1, settle >= 1 and margin >= 0"):
+    for bad, message in (({"probe_pages": 0}, "policy.probe_pages=0"), ({"min_gain": -0.1}, "policy.min_gain=-0.1"),
+                         ({"measure_batches": 5}, "policy.measure_batches=5: auto needs at least 6 batches")):
+        with pytest.raises(ValueError, match=message):
             build("auto", **bad)
+    build("onset", measure_batches=1, min_gain=-1.0)  # auto's knobs, not read by the others
 
 
 def test_auto_without_trusting_the_onset_compares_below_it_too():
     """A draft that does not pay even when nothing streams (launch-bound eager draft steps):
     with trust_onset=False auto probes and ejects below the onset as well."""
     below = CAP_WITH - 5
-    assert Auto().decide(auto_snap(below, True, with_=(20.0, below))) is Action.STAY
-    auto = Auto(trust_onset=False)
+    assert make_auto().decide(auto_snap(below, True, with_=(20.0, below))) is Action.STAY
+    auto = make_auto(trust_onset=False)
     assert auto.decide(auto_snap(below, True, with_=(20.0, below))) is Action.EJECT  # probe
     assert auto.decide(auto_snap(below, False, with_=(20.0, below), without=(40.0, below))) is Action.STAY
     assert auto.decide(auto_snap(below, False, with_=(40.0, below), without=(20.0, below))) is Action.REENABLE

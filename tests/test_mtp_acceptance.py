@@ -25,7 +25,6 @@ def test_a_head_that_copies_the_target_is_always_accepted(tmp_path, monkeypatch)
     head = MTPHead(target, seed=1)
     prompt = torch.randint(0, target.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     plain = plain_greedy(target, prompt, 41)
-    done = []  # tokens emitted before the current round: the drafts continue from there
     real_draft = head.draft
 
     def oracle(h, tokens, pos, k, kv):

@@ -33,7 +33,7 @@ def _streamed_cache(model):
     from kvstream.config import ArenaConfig, CacheConfig
     from test_paged_cache import pair_bytes
     mib = (reserve_slab(model, 32) + (SPEC.n_layers * 2 + 4) * pair_bytes() + 4096) / 2**20  # fits prefill
-    cache = make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(mib=str(mib)), model, 1024, 32,
+    cache = make_cache(CacheConfig(mode="stream", ring_pages=4), ArenaConfig(mib=mib), model, 1024, 32,
                        verify_width=9)
     return cache
 

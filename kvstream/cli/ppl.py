@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from kvstream.cache.factory import make_cache
-from kvstream.config import ArenaConfig, CacheConfig, Hardware, ModelSource, to_typed
+from kvstream.config import ArenaConfig, CacheConfig, Hardware, ModelSource, register_schema, to_typed
 from kvstream.model.loader import open_gguf, read_config
 from kvstream.model.qwen import load_model
 from kvstream.eval.perplexity import (LOGITS_FORMATS, STDLIB_MODULES, LogprobFile, check_run, perplexity, split_chunks,
@@ -35,16 +35,16 @@ class PplConfig:
     model: ModelSource = field(default_factory=ModelSource)
     hardware: Hardware = field(default_factory=Hardware)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    arena: ArenaConfig = field(default_factory=ArenaConfig)
-    ctx: int = 512                    # tokens per chunk; the second half is scored
-    batch: int = 512                  # tokens per forward pass within a chunk
+    arena: ArenaConfig = field(default_factory=ArenaConfig)  # paged caches; auto: the whole chunk fits
+    ctx: int = 512                    # tokens per chunk; the second half of each chunk is scored
+    batch: int = 512                  # tokens per forward pass (prefill sub-batch) within a chunk
     n_chunks: int | None = None       # None: all whole chunks (compare: the base's count)
-    text_file: str | None = None      # None: the built-in standard-library text
-    save_logits: str | None = None
-    compare_logits: str | None = None
-    logits_format: str = "uint16"     # how save_logits stores log-probs: uint16 | float32
-    out_json: str | None = None       # append the summary as one JSON line
-    progress: bool = True
+    text_file: str | None = None      # None: Python standard-library sources of this interpreter
+    save_logits: str | None = None    # PATH: save the scored log-probs as a base (~2 bytes x vocab per token)
+    compare_logits: str | None = None  # PATH: KL divergence of this run against a saved base
+    logits_format: str = "uint16"     # how save_logits stores log-probs: uint16 (to 4.9e-4) | float32 (2x the size)
+    out_json: str | None = None       # PATH: append the summary as one JSON line
+    progress: bool = True             # a tqdm bar per chunk on stderr
 
     def __post_init__(self):
         if self.ctx < 3:
@@ -98,6 +98,9 @@ def run(cfg: PplConfig, out=sys.stdout) -> dict:
         with open(cfg.out_json, "a") as f:
             f.write(json.dumps(row) + "\n")
     return row
+
+
+register_schema("ppl_schema", PplConfig)
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="ppl")

@@ -17,9 +17,9 @@ to the transition instead. The per-page part is paid by a state that streams pag
 plan re-captures its CUDA graphs when a page opens. It is measured on the batches that open a
 page and applied to whichever state streams (until a page opens, an eject's re-capture cost
 stands in for it), on the target's part of those batches: the draft's own slow batches (its window
-restarts, ~0.1 s) are not page costs, and one landing on an opening made auto eject a draft that
-was paying (results/draft_threshold_h200_final4, 18432). A probe is too short to meet a page boundary, and a long stint meets one per
-page: measured over a window, the two states would not compare alike.
+restarts, ~0.1 s) are not page costs, and one landing on an opening would make a paying draft
+look slow. A probe is too short to meet a page boundary, and a long stint meets one per page:
+measured over a window, the two states would not compare alike.
 """
 
 from __future__ import annotations
@@ -132,9 +132,8 @@ class DraftControl:
           after a plan change is the one that re-captures, so one re-capture measured stands
           for one page in k, not every page.
         - Before the first opening, the stand-in is what the latest eject's first batches cost
-          beyond the plain rate, over k (the same work: graphs captured for a new plan).
-          Undivided, it made a kept draft look 11% slower than it ran at 10240 tokens with
-          k = 3 (results/draft_threshold_h200_perfect_long_step3), and auto never re-enabled it.
+          beyond the plain rate, over k (the same work: graphs captured for a new plan; undivided,
+          it would charge a kept draft a re-capture on every page instead of one in k).
         - With neither, 0."""
         if self.page_costs:
             return max(0.0, sum(self.page_costs) / max(len(self.page_costs), self.residency_step))

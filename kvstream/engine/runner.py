@@ -14,7 +14,7 @@ from policies import chain_order, draft_length, eject
 from kvstream.cache.factory import make_cache
 from kvstream.config import GenerateConfig, PolicyConfig
 from kvstream.engine.graphs import GraphedModel
-from kvstream.engine.draft_control import CHARGED, GOODPUT_MIN, DraftControl
+from kvstream.engine.draft_control import DraftControl
 from kvstream.engine.generate import Generation, generate
 from kvstream.model.registry import resolve_model
 from kvstream.model.sampling import Sampler
@@ -46,14 +46,10 @@ class RunResult:
 
 
 def eject_policy(p: PolicyConfig):
-    """The eject policy ``p`` names; ``auto`` must not decide before a stint is measured."""
-    if p.eject == "auto" and p.settle < CHARGED + GOODPUT_MIN:
-        raise ValueError(f"policy.settle={p.settle}: auto needs at least {CHARGED + GOODPUT_MIN} batches in a "
-                         f"state before comparing ({CHARGED} charged to the transition into it, {GOODPUT_MIN} "
-                         f"to measure its rate)")
+    """The eject policy ``p`` names, with its hysteresis (``p`` was checked when it was built)."""
     return eject.build(p.eject, keep_pages=p.keep_pages, reenable_margin=p.reenable_margin,
-                       stable_decodes=p.stable_decodes, probe_pages=p.probe_pages, settle=p.settle, margin=p.margin,
-                       trust_onset=p.trust_onset, horizon=p.horizon)
+                       stable_decodes=p.stable_decodes, probe_pages=p.probe_pages, measure_batches=p.measure_batches,
+                       min_gain=p.min_gain, trust_onset=p.trust_onset, horizon=p.horizon)
 
 
 def cache_tokens(n_prompt: int, max_new_tokens: int, spec, context_length: int) -> int:
