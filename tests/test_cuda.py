@@ -377,22 +377,22 @@ def test_every_streaming_plan_fits_the_reserved_decode_slab(tmp_path):
     1.5B study failed at 18432 tokens only (a 20 MiB segment refused beside 22 MiB in use).
     It passed on the H200 after the fix; whether these shapes reach that failure without the fix
     was not run."""
-    from kvstream.cache.arena import ALIGN
+    from kvstream.cache.arena import ArenaPlan, pair_bytes
     from kvstream.cache.factory import make_cache, phase_slabs
     from kvstream.config import ArenaConfig, CacheConfig
     from kvstream.engine.graphs import GraphedModel
-    from kernels.formats import PageFormat
     from kvstream.engine.generate import prefill, warm_widths
 
     spec = replace(LONG, n_layers=28)  # the 1.5B's layers: pages, not the prefill slab, fill the arena
     m = load_model(write_tiny_model(tmp_path / "m.gguf", spec), torch.float16, "cuda")
     cfg, max_tokens, chunk = CacheConfig(mode="stream", ring_pages="64"), 22528, 256
     slabs = phase_slabs(cfg, m, max_tokens, chunk, verify_width=5)
-    pair = sum(PageFormat(t, LONG.n_kv_heads, LONG.head_dim).page_bytes for t in ("q8_0", "q4_0"))
+    pair = pair_bytes("q8_0", "q4_0", LONG.n_kv_heads, LONG.head_dim)
     # ~30 resident pages per layer while decoding (2 rounds from 63 pages, 3 from 95), at least 2
     # while prefilling
-    nbytes = max(slabs["decode"] + spec.n_layers * 30 * pair, slabs["prefill"] + spec.n_layers * 2 * pair)
-    arena = ArenaConfig(mib=str((nbytes + 64 * pair + 4 * ALIGN) / 2**20))
+    nbytes = max(ArenaPlan(slabs["decode"], 64, pair).bytes(spec.n_layers * 30),
+                 ArenaPlan(slabs["prefill"], 64, pair).bytes(spec.n_layers * 2))
+    arena = ArenaConfig(mib=str(nbytes / 2**20))
     toks = torch.randint(0, 357, (max_tokens,), generator=torch.Generator().manual_seed(5)).tolist()
     plans = set()
     with torch.inference_mode():

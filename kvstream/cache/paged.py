@@ -31,7 +31,7 @@ from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS, PageFormat
 from policies.residency import NewestResident
 
-from kvstream.cache.arena import ALIGN, Arena, ArenaTooSmall, Layout
+from kvstream.cache.arena import Arena, ArenaPlan, ArenaTooSmall, Layout, both_slabs_bytes
 from kvstream.cache.contiguous import CacheBase, ContextOverflow, causal_attention
 from kvstream.cache.streams import copy_stream
 from kvstream.cache.cudart import copy_rows
@@ -66,11 +66,6 @@ def copy_runs(pages: list[int]) -> list[tuple[int, int]]:
     they are contiguous (the newest-resident policy streams the oldest), else one per page."""
     a, n = pages[0], len(pages)
     return [(a, n)] if pages[-1] - a == n - 1 else [(p, 1) for p in pages]
-
-
-def both_slabs_bytes(slabs: dict[str, int]) -> int:
-    """The slab of a ``both_slabs`` cache: the prefill slab, then the decode slab aligned."""
-    return -(-slabs["prefill"] // ALIGN) * ALIGN + slabs["decode"]
 
 
 class _Copier:
@@ -320,7 +315,8 @@ class PagedCache(CacheBase):
         half the layers' streamed pages): layers streaming a few pages then share copies, at
         no cost in resident pages."""
         pair = self.k_fmt.page_bytes + self.v_fmt.page_bytes
-        total = (self.arena.top - extra_pinned_bytes - slab_bytes - 3 * ALIGN) // pair  # page pairs that fit at most
+        total = ArenaPlan(slab_bytes, 0, pair, self.arena.pinned_bytes + extra_pinned_bytes).pool_pages(
+            self.arena.nbytes)  # page pairs that fit at most, ring and pool together
         P, L = self.max_pages, self.n_layers
         for c in range(P, 1, -1):  # most resident pages first
             S = P - c
@@ -334,8 +330,8 @@ class PagedCache(CacheBase):
         fewer) pinned: the layout's own arithmetic, an automatic ring re-sized as well."""
         slab, extra = self.layout.slab, extra_pinned_bytes
         ring = self.ring_request if self.ring_request is not None else self._auto_ring(slab, extra)
-        pool = self.arena.pool_pages(slab, ring, self.layout.pair, extra)
-        return min(pool // self.n_layers, self.max_pages)
+        plan = ArenaPlan(slab, ring, self.layout.pair, self.arena.pinned_bytes + extra)
+        return plan.capacity(self.arena.nbytes, self.n_layers, self.max_pages)
 
     def _pool_slot(self, layer, j):  # ints, or int tensors (every layer at once)
         return self.ring_pages + layer * self.capacity + j
