@@ -253,7 +253,7 @@ def test_auto_ring_never_costs_a_resident_page():
                        type_v="q4_0", mode="stream", arena=Arena(ArenaPlan(0, 0, pair).bytes(460), torch.device("cpu")),
                        ring_pages=None, slabs={"prefill": 0, "decode": 0})
     cache.set_phase("decode")
-    caps = [cache.capacity_with((460 - n) * pair) for n in range(84, 461)]
+    caps = [cache.capacity_if_pinned((460 - n) * pair) for n in range(84, 461)]
     best = [max(c for c in range(2, 17) if 28 * c + 2 * max(1, 16 - c) <= n) for n in range(84, 461)]
     assert caps == best
 
@@ -338,13 +338,13 @@ def test_pinning_shrinks_capacity_and_reset_restores_it_exactly():
     assert with_draft.mib()["pinned"] == pytest.approx(3.0)
 
 
-def test_capacity_with_a_pinned_reservation(model):
+def test_capacity_if_pinned_predicts_a_pinned_reservation(model):
     cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
     cache.set_phase("decode")
     pair = pair_bytes()
-    assert cache.capacity_with(0) == cache.layout.pool_pages // SPEC.n_layers
-    assert cache.capacity_with(SPEC.n_layers * 2 * pair) == cache.layout.pool_pages // SPEC.n_layers - 2
-    assert cache.capacity_with(-SPEC.n_layers * 3 * pair) == cache.layout.pool_pages // SPEC.n_layers + 3
+    assert cache.capacity_if_pinned(0) == cache.layout.pool_pages // SPEC.n_layers
+    assert cache.capacity_if_pinned(SPEC.n_layers * 2 * pair) == cache.layout.pool_pages // SPEC.n_layers - 2
+    assert cache.capacity_if_pinned(-SPEC.n_layers * 3 * pair) == cache.layout.pool_pages // SPEC.n_layers + 3
 
 
 def test_views_share_the_one_allocation(model):

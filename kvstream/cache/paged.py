@@ -189,7 +189,7 @@ class PagedCache(CacheBase):
         takes the bytes back; resident pages are re-laid from the host store."""
         if phase != self.phase:
             self.phase = phase
-            self.settle()
+            self.wait_write_backs()
             self.arena.release_layout()
             self.relayout()
 
@@ -197,7 +197,7 @@ class PagedCache(CacheBase):
         """Re-lay the arena around a change of its pinned region: ``change()`` pins or releases
         (a draft's re-enable or eject) while no layout holds the bytes; the pool then takes what
         is free and resident pages are re-uploaded from the host store. Returns ``change()``."""
-        self.settle()
+        self.wait_write_backs()
         self.arena.release_layout()
         out = change()
         self.relayout()
@@ -251,7 +251,7 @@ class PagedCache(CacheBase):
     def _slab_bytes(self) -> int:
         return both_slabs_bytes(self.slabs) if self.both_slabs else self.slabs[self.phase]
 
-    def settle(self) -> None:
+    def wait_write_backs(self) -> None:
         """Work on the compute stream from now on runs after every write-back issued so far:
         call it before the arena's bytes change hands (a re-layout, an eject), since the
         write-backs read the arena asynchronously."""
@@ -325,7 +325,7 @@ class PagedCache(CacheBase):
                 return 2 * min(widest, (total - L * c) // 2)
         return 2  # too small for even 2 resident pages: lay_out reports the numbers
 
-    def capacity_with(self, extra_pinned_bytes: int) -> int:
+    def capacity_if_pinned(self, extra_pinned_bytes: int) -> int:
         """Pages per layer this phase's layout would hold with ``extra_pinned_bytes`` more (or
         fewer) pinned: the layout's own arithmetic, an automatic ring re-sized as well."""
         slab, extra = self.layout.slab, extra_pinned_bytes

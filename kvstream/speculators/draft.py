@@ -168,7 +168,7 @@ class DraftModel(Speculator):
         pages now overwrite, but a replay writes every buffer it reads, and none runs before a
         re-enable pins the weights, KV and slabs at the same addresses again."""
         if self.cache is not None:
-            self.cache.settle()  # its write-backs still read the bytes being given back
+            self.cache.wait_write_backs()  # its write-backs still read the bytes being given back
         self.model = None
         self.enabled = False
         return arena.reset(self._mark)
