@@ -166,7 +166,7 @@ def _slow_ring(monkeypatch, cycles: int = 200_000) -> None:
     or a copy that does not wait for the last reader of its half, then sees or clobbers the
     wrong pages instead of winning the race by luck."""
     from kvstream.cache.cudart import copy_rows
-    from kvstream.cache.paged import _Copier
+    from kvstream.cache.copier import Copier
 
     def copy(self, dst, src, half):
         with torch.cuda.stream(self.stream):
@@ -175,14 +175,14 @@ def _slow_ring(monkeypatch, cycles: int = 200_000) -> None:
             copy_rows(dst, src, self.stream)
             self.ready[half].record(self.stream)
 
-    wait = _Copier.wait
+    wait = Copier.wait
 
     def slow_wait(self, half=None):
         wait(self, half)
         torch.cuda._sleep(cycles)
 
-    monkeypatch.setattr(_Copier, "copy", copy)
-    monkeypatch.setattr(_Copier, "wait", slow_wait)
+    monkeypatch.setattr(Copier, "copy", copy)
+    monkeypatch.setattr(Copier, "wait", slow_wait)
 
 
 @pytest.mark.parametrize("ring, pages", [(16, 6), (4, 6), (2, 6)])  # groups of 2 layers; 1; 2 rounds

@@ -14,7 +14,8 @@ from kvstream.cache.factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.engine.generate import prefill
 from kvstream.model.qwen import load_model
-from kvstream.cache.paged import PagedCache, copy_runs, group_size
+from kvstream.cache.paged import PagedCache
+from kvstream.cache.paged_ring import copy_runs, group_size
 from policies.residency import RESIDENCY
 from tiny_gguf import TinySpec, write_tiny_model
 
