@@ -281,7 +281,7 @@ def test_a_pinned_drafts_buffers_and_graphs_live_in_the_arena(tmp_path):
     """A graphed draft's steps and catch-up passes take their buffers from its two slabs in its
     KV region, inside the target's arena: every captured draft step's output lies in the step
     slab, catch-up chunks ran in the catch-up slab, and a speculative run adds beyond the arena
-    only the callers' copies of the logits (results/draft_memory_h200: 110 MiB before)."""
+    only the callers' copies of the logits."""
     import test_draft as t
     from kvstream.cache.arena import MIB, Arena
     from kvstream.cache.factory import make_cache
@@ -372,11 +372,9 @@ def test_graphed_decode_matches_eager_at_32k(tmp_path, dtype):
 def test_every_streaming_plan_fits_the_reserved_decode_slab(tmp_path):
     """Each decode width 1..5 (both logits kinds), captured at contexts whose streaming plans
     differ (rounds, and the pages each covers), fits the decode slab the reserve pass measured at
-    the end of the context. The 1.5B's attention shapes, a 64-slot ring: sized per plan, the
-    rounds' partials fell into other allocator segment classes than the reserve pass saw, and a
-    1.5B study failed at 18432 tokens only (a 20 MiB segment refused beside 22 MiB in use).
-    It passed on the H200 after the fix; whether these shapes reach that failure without the fix
-    was not run."""
+    the end of the context. The 1.5B's attention shapes, a 64-slot ring: the rounds' partials
+    live in one buffer sized from the table, not per plan, so every plan's buffers fall into the
+    allocator segment classes the reserve pass saw."""
     from kvstream.cache.arena import ArenaPlan, pair_bytes
     from kvstream.cache.factory import make_cache, phase_slabs
     from kvstream.config import ArenaConfig, CacheConfig
@@ -412,8 +410,8 @@ def test_host_store_holds_every_committed_page_after_a_long_prefill(tmp_path, dt
     """The host store is authoritative: after a 32000-token prefill in 512-token chunks (each
     chunk's pages go back to the host on the copy stream while the next chunk computes) every
     page on the host equals its device copy byte for byte, and so do the pages the phase switch
-    re-uploads from the host. On the H200 15 / 196 pages (bf16 / fp32) differed while the copy
-    did not wait for the kernels that wrote its source (a wait on the copy stream itself)."""
+    re-uploads from the host: a write-back that does not wait for the kernels that wrote its
+    source (the copy stream must wait on the compute stream) leaves pages that differ."""
     from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
     from kvstream.engine.generate import prefill

@@ -207,8 +207,8 @@ def test_the_page_cost_is_the_mean_over_whole_residency_steps(model, host):
     control = DraftControl(new_draft(host), target_cache(model, arena_mib(model, host, 2), step=3),
                            Scripted(at=-1, back=-1))
     control.transitions.append(Transition(0, "eject", 40, 37, 48, 0.01, 0, after_s=0.09))
-    # before any opening, the eject's re-capture stands in for one in 3 pages (not for every page:
-    # that made auto keep a faster draft ejected, results/draft_threshold_h200_perfect_long_step3)
+    # before any opening, the eject's re-capture stands in for one in 3 pages (not for every page,
+    # which would overcharge a streaming state and keep a faster draft ejected)
     assert control.page_s == pytest.approx(0.03)
     for i in range(40):
         control.page_costs.append(0.09 if i % 3 == 0 else 0.0)
@@ -249,9 +249,7 @@ def test_goodput_is_steady_rounds_plus_a_cost_per_page_where_the_state_streams(m
 def test_a_draft_restart_in_an_opening_batch_is_not_a_page_cost(model, host):
     """A page opening costs what the target's part of its batch takes beyond the target's median.
     The draft's window restart (~0.1 s of draft time) landing in the same batch is the draft's:
-    counted as the page's, one made auto eject a draft that was paying (18432 tokens in
-    results/draft_threshold_h200_final4: estimated 468 tok/s kept against 484 plain; the keep arm
-    ran 505 there, plain decoding 474)."""
+    counted as the page's, it would make auto eject a draft that pays."""
     control = DraftControl(new_draft(host), target_cache(model, arena_mib(model, host, 2)), Scripted(at=-1, back=-1))
     length = 3 * PAGE_TOKENS - 60  # in page 3 (streamed with the draft pinned); page 4 opens once
     for step in range(40):

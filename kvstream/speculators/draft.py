@@ -144,7 +144,7 @@ class DraftModel(Speculator):
         if self.graphs:
             # the same bytes at the same addresses as when its graphs were captured (an eject and
             # re-enable pin the same tensors from the same mark): they stay valid, and a re-enable
-            # skips re-capturing the draft's steps (83-142 ms on the H200, draft_threshold_h200_final3)
+            # skips re-capturing the draft's steps (about 0.1 s on the H200)
             at = addresses(self.model)
             if self._graphed is None or self._graphed_at != at:
                 self._graphed, self._graphed_at = GraphedModel(self.model), at
