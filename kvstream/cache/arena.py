@@ -13,6 +13,9 @@ Bottom-up, a phase lays out its regions; top-down, a pinned region is bump-alloc
 Ring and pool slots of one kind are adjacent, so one page table can point at either: an
 attention call reads resident and streamed pages alike. Every region is a view into the one
 buffer; nothing here allocates after construction.
+
+``ArenaPlan`` is the one rule for the bytes a layout needs and the pages a size holds: the
+layout itself, the automatic ring, capacity predictions and every arena sized anywhere use it.
 """
 
 from __future__ import annotations
