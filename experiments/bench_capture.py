@@ -31,8 +31,8 @@ import pandas as pd
 import torch
 
 from experiments.common import provenance
-from kvstream.cache.arena import MIB
-from kvstream.cache.factory import make_cache, paged_bytes, phase_slabs
+from kvstream.cache.arena import MIB, ArenaPlan, pair_bytes
+from kvstream.cache.factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.engine.graphs import GraphedModel
 from kvstream.model.qwen import load_model
@@ -92,8 +92,9 @@ def measure(model, clock: Clock, context: int, width: int, pages: int, resident:
     slabs = phase_slabs(cc, model, context + new, 512, width)
     # an arena whose decode layout holds ``resident`` pages per layer (the rest streams), and
     # whose prefill layout holds the prefill slab and a few pages per layer
-    nbytes = max(paged_bytes(model.cfg, cc.type_k, cc.type_v, resident * 256, slabs["decode"], ring_pages),
-                 paged_bytes(model.cfg, cc.type_k, cc.type_v, 4 * 256, slabs["prefill"], ring_pages))
+    c, pair = model.cfg, pair_bytes(cc.type_k, cc.type_v, model.cfg.n_kv_heads, model.cfg.head_dim)
+    nbytes = max(ArenaPlan(slabs["decode"], ring_pages, pair).bytes(c.n_layers * resident),
+                 ArenaPlan(slabs["prefill"], ring_pages, pair).bytes(c.n_layers * 4))
     cache = make_cache(cc, ArenaConfig(str(nbytes / MIB)), model, context + new, 512, verify_width=width, slabs=slabs)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (context,), generator=g)

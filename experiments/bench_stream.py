@@ -33,8 +33,7 @@ import pandas as pd
 import torch
 
 from experiments.common import QWEN15, git_state, pinned_ceiling
-from kernels.formats import PageFormat
-from kvstream.cache.arena import MIB
+from kvstream.cache.arena import MIB, ArenaPlan, pair_bytes
 from kvstream.cache.factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.engine.graphs import GraphedModel
@@ -228,12 +227,10 @@ def main() -> None:
             if frac is None:
                 mib = "auto"
             else:  # prefill slab + ring + frac of every layer's pages (decode frees the slab's excess)
-                slab = slabs["prefill"]
-                pair = sum(PageFormat(t, QWEN15.n_kv_heads, QWEN15.head_dim).page_bytes for t in ("q8_0", "q4_0"))
                 per_layer = -(-max_tokens // 256)
-                pages = QWEN15.n_layers * int(frac * per_layer)
                 ring = 2 * (per_layer - int(frac * per_layer)) if args.ring == "auto" else int(args.ring)
-                mib = str((slab + (pages + ring) * pair) / MIB + 1)
+                plan = ArenaPlan(slabs["prefill"], ring, pair_bytes("q8_0", "q4_0", QWEN15.n_kv_heads, QWEN15.head_dim))
+                mib = str(plan.mib(QWEN15.n_layers * int(frac * per_layer)))
             gc.collect()  # the previous arm's cache and the reserve passes' scratch caches
             torch.cuda.empty_cache()
             before_mib = torch.cuda.memory_reserved() / MIB  # weights (and their allocator slack)

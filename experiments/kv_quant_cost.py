@@ -25,8 +25,7 @@ import pandas as pd
 from hydra import compose, initialize_config_module
 
 from experiments.common import provenance
-from kernels.formats import PageFormat
-from kvstream.cache.arena import MIB
+from kvstream.cache.arena import ArenaPlan, pair_bytes
 from kvstream.cache.factory import reserve_slab
 from kvstream.cli.ppl import PplConfig, run
 from kvstream.config import quote_free_text, to_typed
@@ -81,11 +80,11 @@ def main() -> None:
     resident = tmp / "resident.lp"
     ppl(common + ["cache=resident", f"save_logits={resident}", "logits_format=float32"])
     pages = -(-args.ctx // 256)
-    pair = sum(PageFormat(t, cfg.n_kv_heads, cfg.head_dim).page_bytes for t in ("q8_0", "q4_0"))
+    pair = pair_bytes("q8_0", "q4_0", cfg.n_kv_heads, cfg.head_dim)
     slab = reserve_slab(load_model(resolve_model(args.model)), args.batch)
     # two halves each holding every streamed page (one round per layer), or one page each
     for ring, rounds in ((2 * (pages - 2), "one round"), (2, f"{pages - 2} rounds")):
-        mib = (slab + (cfg.n_layers * 2 + ring) * pair + 4096) / MIB
+        mib = ArenaPlan(slab, ring, pair).mib(cfg.n_layers * 2)
         r = ppl(common + ["cache=stream", f"cache.ring_pages={ring}", f"arena.mib={mib}",
                           f"compare_logits={resident}"])
         rows.append(compared(f"stream ({pages - 2} of {pages} pages/layer streamed, {rounds})", "q8_0", "q4_0",

@@ -126,9 +126,11 @@ def step_costs(model, head, context: int, k: int) -> dict:
             forward(model, tokens[context:context + width], cache)
         return fn
 
+    pos = torch.tensor([context], device=dev)
+
     def head_step():
         kv.length = context
-        head.step(h, tokens[:1], torch.tensor([context], device=dev), kv)
+        head.step(h, tokens[:1], pos, kv)
 
     return {"target_ms": graph_ms(target(1)), "verify_ms": graph_ms(target(k + 1)), "head_ms": graph_ms(head_step)}
 
@@ -172,12 +174,15 @@ def main(argv=None) -> None:
     for name, ids in prompts(tok, a.context, a.prompts, a.held_out, a.seed).items():
         plain = plain_greedy(model, ids, a.new_tokens)
         spec, acc = mtp_greedy(model, head, ids, a.new_tokens, a.k)
-        if spec != plain:
-            raise AssertionError(f"{name}: greedy output with the head differs from plain decoding at token "
-                                 f"{next(i for i, (x, y) in enumerate(zip(spec, plain)) if x != y)}")
+        diverge = next((i for i, (x, y) in enumerate(zip(spec, plain)) if x != y), None)
+        if diverge is not None and model.dtype == torch.float32:
+            raise AssertionError(f"{name}: greedy output with the head differs from plain decoding at token {diverge}")
         rounds += [{"prompt": name, "context": len(ids), "round": i, "drafted": a.k, "accepted": x} for i, x in enumerate(acc)]
         s = pd.Series(acc)
+        # in bf16 / fp16 a verify pass of k + 1 rows rounds differently from one-row steps: a near-tie
+        # may then flip, and the two decodes part (recorded; fp32 must match exactly)
         summary.append({"prompt": name, "rounds": len(acc), "tokens_per_round": 1 + s.mean(),
+                        "same_as_plain_until": len(plain) if diverge is None else diverge,
                         **{f"accept_{j}": float((s >= j).mean()) for j in range(1, a.k + 1)}})
         print(f"{name:>28}: {1 + s.mean():.2f} tokens per round over {len(acc)} rounds; "
               + " ".join(f"{summary[-1][f'accept_{j}']:.2f}" for j in range(1, a.k + 1)))

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 
 from experiments.common import load_target
 from experiments.draft_threshold import StudyConfig
-from kvstream.cache.arena import MIB
+from kvstream.cache.arena import MIB, ArenaPlan
 from kvstream.cache.factory import make_cache
 from kvstream.config import quote_free_text, to_typed
 from kvstream.engine.draft_control import DraftControl
@@ -46,10 +46,10 @@ def arena_for(cfg: StudyConfig, pages: int, generous_mib: float) -> float:
     layout = control.cache.layout
     if cap < pages:
         raise ValueError(f"even {generous_mib} MiB holds only {cap} pages/layer with the draft; give more")
-    extra = layout.pool_pages - pages * control.cache.n_layers  # pool pages beyond the wanted ones
-    free = layout.nbytes - layout.pinned - layout.end  # bytes short of one more page: without them the
-    # sized arena could hold one page more (a whole layer's page more for one of few layers)
-    mib = (layout.nbytes - extra * layout.pair - free + layout.pair // 2) / MIB
+    # the layout's slab, ring and pins with exactly the wanted pages, and half a page pair more: room
+    # for the pins' alignment in another arena and the printed rounding, short of another page
+    plan = ArenaPlan(layout.slab, layout.ring_pages, layout.pair, layout.pinned)
+    mib = (plan.bytes(pages * control.cache.n_layers) + layout.pair // 2) / MIB
     got, _ = capacity_with_draft(cfg, mib)
     if got != pages:
         raise RuntimeError(f"sized {mib:.2f} MiB for {pages} pages/layer but it holds {got}")

@@ -166,7 +166,7 @@ def _slow_ring(monkeypatch, cycles: int = 200_000) -> None:
     or a copy that does not wait for the last reader of its half, then sees or clobbers the
     wrong pages instead of winning the race by luck."""
     from kvstream.cache.cudart import copy_rows
-    from kvstream.cache.paged import _Copier
+    from kvstream.cache.copier import Copier
 
     def copy(self, dst, src, half):
         with torch.cuda.stream(self.stream):
@@ -175,14 +175,14 @@ def _slow_ring(monkeypatch, cycles: int = 200_000) -> None:
             copy_rows(dst, src, self.stream)
             self.ready[half].record(self.stream)
 
-    wait = _Copier.wait
+    wait = Copier.wait
 
     def slow_wait(self, half=None):
         wait(self, half)
         torch.cuda._sleep(cycles)
 
-    monkeypatch.setattr(_Copier, "copy", copy)
-    monkeypatch.setattr(_Copier, "wait", slow_wait)
+    monkeypatch.setattr(Copier, "copy", copy)
+    monkeypatch.setattr(Copier, "wait", slow_wait)
 
 
 @pytest.mark.parametrize("ring, pages", [(16, 6), (4, 6), (2, 6)])  # groups of 2 layers; 1; 2 rounds
@@ -281,7 +281,7 @@ def test_a_pinned_drafts_buffers_and_graphs_live_in_the_arena(tmp_path):
     """A graphed draft's steps and catch-up passes take their buffers from its two slabs in its
     KV region, inside the target's arena: every captured draft step's output lies in the step
     slab, catch-up chunks ran in the catch-up slab, and a speculative run adds beyond the arena
-    only the callers' copies of the logits (results/draft_memory_h200: 110 MiB before)."""
+    only the callers' copies of the logits."""
     import test_draft as t
     from kvstream.cache.arena import MIB, Arena
     from kvstream.cache.factory import make_cache
@@ -372,27 +372,25 @@ def test_graphed_decode_matches_eager_at_32k(tmp_path, dtype):
 def test_every_streaming_plan_fits_the_reserved_decode_slab(tmp_path):
     """Each decode width 1..5 (both logits kinds), captured at contexts whose streaming plans
     differ (rounds, and the pages each covers), fits the decode slab the reserve pass measured at
-    the end of the context. The 1.5B's attention shapes, a 64-slot ring: sized per plan, the
-    rounds' partials fell into other allocator segment classes than the reserve pass saw, and a
-    1.5B study failed at 18432 tokens only (a 20 MiB segment refused beside 22 MiB in use).
-    It passed on the H200 after the fix; whether these shapes reach that failure without the fix
-    was not run."""
-    from kvstream.cache.arena import ALIGN
+    the end of the context. The 1.5B's attention shapes, a 64-slot ring: the rounds' partials
+    live in one buffer sized from the table, not per plan, so every plan's buffers fall into the
+    allocator segment classes the reserve pass saw."""
+    from kvstream.cache.arena import ArenaPlan, pair_bytes
     from kvstream.cache.factory import make_cache, phase_slabs
     from kvstream.config import ArenaConfig, CacheConfig
     from kvstream.engine.graphs import GraphedModel
-    from kernels.formats import PageFormat
     from kvstream.engine.generate import prefill, warm_widths
 
     spec = replace(LONG, n_layers=28)  # the 1.5B's layers: pages, not the prefill slab, fill the arena
     m = load_model(write_tiny_model(tmp_path / "m.gguf", spec), torch.float16, "cuda")
     cfg, max_tokens, chunk = CacheConfig(mode="stream", ring_pages="64"), 22528, 256
     slabs = phase_slabs(cfg, m, max_tokens, chunk, verify_width=5)
-    pair = sum(PageFormat(t, LONG.n_kv_heads, LONG.head_dim).page_bytes for t in ("q8_0", "q4_0"))
+    pair = pair_bytes("q8_0", "q4_0", LONG.n_kv_heads, LONG.head_dim)
     # ~30 resident pages per layer while decoding (2 rounds from 63 pages, 3 from 95), at least 2
     # while prefilling
-    nbytes = max(slabs["decode"] + spec.n_layers * 30 * pair, slabs["prefill"] + spec.n_layers * 2 * pair)
-    arena = ArenaConfig(mib=str((nbytes + 64 * pair + 4 * ALIGN) / 2**20))
+    nbytes = max(ArenaPlan(slabs["decode"], 64, pair).bytes(spec.n_layers * 30),
+                 ArenaPlan(slabs["prefill"], 64, pair).bytes(spec.n_layers * 2))
+    arena = ArenaConfig(mib=str(nbytes / 2**20))
     toks = torch.randint(0, 357, (max_tokens,), generator=torch.Generator().manual_seed(5)).tolist()
     plans = set()
     with torch.inference_mode():
@@ -412,8 +410,8 @@ def test_host_store_holds_every_committed_page_after_a_long_prefill(tmp_path, dt
     """The host store is authoritative: after a 32000-token prefill in 512-token chunks (each
     chunk's pages go back to the host on the copy stream while the next chunk computes) every
     page on the host equals its device copy byte for byte, and so do the pages the phase switch
-    re-uploads from the host. On the H200 15 / 196 pages (bf16 / fp32) differed while the copy
-    did not wait for the kernels that wrote its source (a wait on the copy stream itself)."""
+    re-uploads from the host: a write-back that does not wait for the kernels that wrote its
+    source (the copy stream must wait on the compute stream) leaves pages that differ."""
     from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
     from kvstream.engine.generate import prefill

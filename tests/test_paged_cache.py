@@ -7,13 +7,15 @@ import torch
 
 from kernels import reference
 from kernels.formats import PAGE_TOKENS, PageFormat
-from kvstream.cache.arena import ALIGN, MIB, Arena, ArenaTooSmall
+from kvstream.cache.arena import MIB, Arena, ArenaPlan, ArenaTooSmall
+from kvstream.cache.arena import pair_bytes as pair_of
 from kvstream.cache.contiguous import ContextOverflow, causal_attention
 from kvstream.cache.factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.engine.generate import prefill
 from kvstream.model.qwen import load_model
-from kvstream.cache.paged import PagedCache, copy_runs, group_size
+from kvstream.cache.paged import PagedCache
+from kvstream.cache.paged_ring import copy_runs, group_size
 from policies.residency import RESIDENCY
 from tiny_gguf import TinySpec, write_tiny_model
 
@@ -30,7 +32,7 @@ def model(tmp_path_factory):
 
 
 def pair_bytes(type_k="q8_0", type_v="q4_0"):
-    return sum(PageFormat(t, SPEC.n_kv_heads, SPEC.head_dim).page_bytes for t in (type_k, type_v))
+    return pair_of(type_k, type_v, SPEC.n_kv_heads, SPEC.head_dim)
 
 
 def run(model, cache, tokens, decode=DECODE, chunk=CHUNK):
@@ -75,7 +77,7 @@ def small_arena_mib(model, pages_per_layer, ring, max_tokens=2048):
     """An arena whose decode layout holds exactly ``pages_per_layer`` resident pages per layer
     (the decode slab as the cache reserves it: measured on CUDA)."""
     slab = slabs(model, ring, max_tokens)["decode"]
-    return (slab + (model.cfg.n_layers * pages_per_layer + ring) * pair_bytes() + 4 * ALIGN) / MIB
+    return ArenaPlan(slab, ring, pair_bytes()).mib(model.cfg.n_layers * pages_per_layer)
 
 
 def test_stream_one_round_is_bit_identical_to_resident(model, tokens, resident_logits):
@@ -249,10 +251,10 @@ def test_auto_ring_never_costs_a_resident_page():
     k, v = PageFormat("q8_0", 2, 128), PageFormat("q4_0", 2, 128)
     pair = k.page_bytes + v.page_bytes
     cache = PagedCache(n_layers=28, n_kv_heads=2, head_dim=128, max_tokens=16 * PAGE_TOKENS, type_k="q8_0",
-                       type_v="q4_0", mode="stream", arena=Arena(460 * pair + 4 * ALIGN, torch.device("cpu")),
+                       type_v="q4_0", mode="stream", arena=Arena(ArenaPlan(0, 0, pair).bytes(460), torch.device("cpu")),
                        ring_pages=None, slabs={"prefill": 0, "decode": 0})
     cache.set_phase("decode")
-    caps = [cache.capacity_with((460 - n) * pair) for n in range(84, 461)]
+    caps = [cache.capacity_if_pinned((460 - n) * pair) for n in range(84, 461)]
     best = [max(c for c in range(2, 17) if 28 * c + 2 * max(1, 16 - c) <= n) for n in range(84, 461)]
     assert caps == best
 
@@ -337,13 +339,13 @@ def test_pinning_shrinks_capacity_and_reset_restores_it_exactly():
     assert with_draft.mib()["pinned"] == pytest.approx(3.0)
 
 
-def test_capacity_with_a_pinned_reservation(model):
+def test_capacity_if_pinned_predicts_a_pinned_reservation(model):
     cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8)
     cache.set_phase("decode")
     pair = pair_bytes()
-    assert cache.capacity_with(0) == cache.layout.pool_pages // SPEC.n_layers
-    assert cache.capacity_with(SPEC.n_layers * 2 * pair) == cache.layout.pool_pages // SPEC.n_layers - 2
-    assert cache.capacity_with(-SPEC.n_layers * 3 * pair) == cache.layout.pool_pages // SPEC.n_layers + 3
+    assert cache.capacity_if_pinned(0) == cache.layout.pool_pages // SPEC.n_layers
+    assert cache.capacity_if_pinned(SPEC.n_layers * 2 * pair) == cache.layout.pool_pages // SPEC.n_layers - 2
+    assert cache.capacity_if_pinned(-SPEC.n_layers * 3 * pair) == cache.layout.pool_pages // SPEC.n_layers + 3
 
 
 def test_views_share_the_one_allocation(model):
@@ -489,7 +491,7 @@ def test_page_tables_map_every_page_where_the_plan_puts_it(layers, max_pages, ca
     side), the halves taken in turn by the copies in the order they run (group by group, round
     by round: a counter here, not the cache's formula). Integers: equal or not."""
     pair = pair_bytes()
-    arena = Arena((layers * capacity + (ring or 2 * max_pages)) * pair + 8 * ALIGN, "cpu")
+    arena = Arena(ArenaPlan(0, ring or 2 * max_pages, pair).bytes(layers * capacity), "cpu")
     cache = PagedCache(n_layers=layers, n_kv_heads=SPEC.n_kv_heads, head_dim=SPEC.head_dim,
                        max_tokens=max_pages * PAGE_TOKENS, type_k="q8_0", type_v="q4_0", mode="stream", arena=arena,
                        ring_pages=ring, slabs={"prefill": 0, "decode": 0}, residency=RESIDENCY[residency]())

@@ -207,6 +207,7 @@ def test_quantized_and_streamed_caches_against_the_contiguous_base(tmp_path):
     """The quantization cost (q8_0/q4_0 vs the dense cache) is a small KLD; streaming with one
     ring round reads the same bytes as resident mode, so its KLD against resident is exactly 0."""
     from kvstream.cache.factory import reserve_slab
+    from kvstream.cache.arena import ArenaPlan
     from test_paged_cache import SPEC, pair_bytes
 
     path = write_tiny_model(tmp_path / "long.gguf", SPEC)  # head_dim 64, 4096-token context
@@ -218,7 +219,7 @@ def test_quantized_and_streamed_caches_against_the_contiguous_base(tmp_path):
     run(cfg_for(*common, "cache=resident", f"save_logits={res}", "logits_format=float32"), io.StringIO())
     # an arena for 2 of a chunk's 3 pages per layer: the oldest page streams through the ring
     model = load_model(path)
-    mib = (reserve_slab(model, 100) + (SPEC.n_layers * 2 + 8) * pair_bytes() + 4096) / 2**20
+    mib = ArenaPlan(reserve_slab(model, 100), 8, pair_bytes()).mib(SPEC.n_layers * 2)
     from kvstream.cache.factory import make_cache
     from kvstream.config import ArenaConfig, CacheConfig
     ring8 = CacheConfig(mode="stream", ring_pages="8")

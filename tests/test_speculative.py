@@ -31,8 +31,9 @@ def _streamed_cache(model):
     needs), reserved for verify batches of 1 + 8 tokens."""
     from kvstream.cache.factory import make_cache, reserve_slab
     from kvstream.config import ArenaConfig, CacheConfig
+    from kvstream.cache.arena import ArenaPlan
     from test_paged_cache import pair_bytes
-    mib = (reserve_slab(model, 32) + (SPEC.n_layers * 2 + 4) * pair_bytes() + 4096) / 2**20  # fits prefill
+    mib = ArenaPlan(reserve_slab(model, 32), 4, pair_bytes()).mib(SPEC.n_layers * 2)  # fits prefill
     cache = make_cache(CacheConfig(mode="stream", ring_pages=4), ArenaConfig(mib=mib), model, 1024, 32,
                        verify_width=9)
     return cache

@@ -13,6 +13,9 @@ Bottom-up, a phase lays out its regions; top-down, a pinned region is bump-alloc
 Ring and pool slots of one kind are adjacent, so one page table can point at either: an
 attention call reads resident and streamed pages alike. Every region is a view into the one
 buffer; nothing here allocates after construction.
+
+``ArenaPlan`` is the one rule for the bytes a layout needs and the pages a size holds: the
+layout itself, the automatic ring, capacity predictions and every arena sized anywhere use it.
 """
 
 from __future__ import annotations
@@ -21,12 +24,64 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.formats import PageFormat
+
 ALIGN = 256  # bytes: every region starts aligned (kernels need 16; 256 keeps cache lines whole)
 MIB = 1 << 20
 
 
-def _up(n: int) -> int:
+def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def pair_bytes(type_k: str, type_v: str, n_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one K page and one V page (one layer, 256 tokens)."""
+    return PageFormat(type_k, n_kv_heads, head_dim).page_bytes + PageFormat(type_v, n_kv_heads, head_dim).page_bytes
+
+
+def both_slabs_bytes(slabs: dict[str, int]) -> int:
+    """The slab of a cache that keeps both phases' slabs side by side (``PagedCache(both_slabs=True)``):
+    the prefill slab, then the decode slab aligned."""
+    return align_up(slabs["prefill"]) + slabs["decode"]
+
+
+def pins_bytes(sizes) -> int:
+    """What pinning tensors of ``sizes`` bytes takes below an aligned top (as every arena that
+    ``ArenaPlan`` sizes has): ``Arena.pin`` rounds each start down to ALIGN."""
+    return sum(align_up(n) for n in sizes)
+
+
+@dataclass(frozen=True)
+class ArenaPlan:
+    """What a phase lays out besides its resident pages: the one rule for an arena's bytes.
+
+    ``bytes(n)`` sizes an arena for ``n`` resident page pairs; ``pool_pages(nbytes)`` is how
+    many an arena of ``nbytes`` holds, the count ``Arena.lay_out`` gives. The slab is rounded up
+    to ALIGN, and two ALIGN bound the V region's alignment padding (its start is aligned)."""
+
+    slab: int        # compute slab bytes
+    ring_pages: int  # ring slots (K/V page pairs)
+    pair: int        # bytes of one K page and one V page
+    pinned: int = 0  # bytes the pinned region takes, alignment included (``pins_bytes``)
+
+    def bytes(self, pool_pages: int) -> int:
+        """A size (a multiple of ALIGN, so pins from its top lose no more than ``pins_bytes``
+        counts) whose layout holds ``pool_pages`` resident page pairs."""
+        return align_up(align_up(self.slab) + 2 * ALIGN + (self.ring_pages + pool_pages) * self.pair + self.pinned)
+
+    def mib(self, pool_pages: int) -> float:
+        """``bytes(pool_pages)`` in MiB, exact (a power-of-two division): ``arena.mib`` reads it back."""
+        return self.bytes(pool_pages) / MIB
+
+    def pool_pages(self, nbytes: int) -> int:
+        """Resident page pairs a layout of this plan gets in an arena of ``nbytes``."""
+        fixed = align_up(self.slab) + 2 * ALIGN + self.ring_pages * self.pair + self.pinned
+        return max(0, (nbytes - fixed) // self.pair)
+
+    def capacity(self, nbytes: int, n_layers: int, max_pages: int) -> int:
+        """Resident pages per layer in an arena of ``nbytes``: every layer the same, at most
+        ``max_pages`` (the context's)."""
+        return min(self.pool_pages(nbytes) // n_layers, max_pages)
 
 
 class ArenaTooSmall(ValueError):
@@ -51,11 +106,11 @@ class Layout:
 
     @property
     def k_offset(self) -> int:
-        return _up(self.slab)
+        return align_up(self.slab)
 
     @property
     def v_offset(self) -> int:
-        return _up(self.k_offset + (self.ring_pages + self.pool_pages) * self.k_page)
+        return align_up(self.k_offset + (self.ring_pages + self.pool_pages) * self.k_page)
 
     @property
     def end(self) -> int:
@@ -142,25 +197,19 @@ class Arena:
 
     def lay_out(self, slab: int, ring_pages: int, k_page: int, v_page: int, min_pool_pages: int) -> Layout:
         """Lay out slab, ring and as many pool pages as fit below the pinned region."""
-        pair = k_page + v_page
-        fixed = _up(slab) + 2 * ALIGN + ring_pages * pair  # the V region starts aligned too
-        pool = self.pool_pages(slab, ring_pages, pair)
-        need = fixed + min_pool_pages * pair
+        plan = ArenaPlan(slab, ring_pages, k_page + v_page, self.pinned_bytes)
+        pool = plan.pool_pages(self.nbytes)
         if pool < min_pool_pages:
+            need = plan.bytes(min_pool_pages)
             raise ArenaTooSmall(
                 f"arena of {self.nbytes / MIB:.2f} MiB is too small: slab {slab / MIB:.2f} MiB + ring "
-                f"{ring_pages} pages ({ring_pages * pair / MIB:.2f} MiB) + at least {min_pool_pages} resident pages "
-                f"({min_pool_pages * pair / MIB:.2f} MiB) need {need / MIB:.2f} MiB"
+                f"{ring_pages} pages ({ring_pages * plan.pair / MIB:.2f} MiB) + at least {min_pool_pages} resident "
+                f"pages ({min_pool_pages * plan.pair / MIB:.2f} MiB) need {(need - self.pinned_bytes) / MIB:.2f} MiB"
                 + (f" besides {self.pinned_bytes / MIB:.2f} MiB pinned" if self.pinned_bytes else "")
-                + f"; give arena.mib >= {(need + self.pinned_bytes) / MIB:.2f}")
+                + f"; give arena.mib >= {need / MIB:.2f}")
         layout = Layout(self.nbytes, slab, ring_pages, pool, k_page, v_page, self.pinned_bytes)
         self.floor = layout.end
         return layout
-
-    def pool_pages(self, slab: int, ring_pages: int, pair: int, extra_pinned: int = 0) -> int:
-        """Pool pages a layout would get below the pinned region (``extra_pinned`` more pinned)."""
-        fixed = _up(slab) + 2 * ALIGN + ring_pages * pair
-        return max(0, (self.top - extra_pinned - fixed) // pair)
 
     def release_layout(self) -> None:
         """Forget the current layout (its views must no longer be used), so pins may grow down

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from kernels.decode_attention import MAX_N_Q
-from kernels.formats import PAGE_TOKENS, PageFormat
+from kernels.formats import PAGE_TOKENS
 from policies.residency import RESIDENCY
 
-from kvstream.cache.arena import ALIGN, MIB, Arena
+from kvstream.cache.arena import MIB, Arena, ArenaPlan, pair_bytes
 from kvstream.cache.contiguous import ContiguousCache
 from kvstream.config import ArenaConfig, CacheConfig
 from kvstream.cache.paged import PagedCache
@@ -28,13 +28,12 @@ def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, rin
     partials all live until they merge)."""
     c = model.cfg
     pages = -(-max_tokens // PAGE_TOKENS)
-    pair = (PageFormat(type_k, c.n_kv_heads, c.head_dim).page_bytes
-            + PageFormat(type_v, c.n_kv_heads, c.head_dim).page_bytes)
     stream = bool(ring_pages)
     resident = min(pages, max(2, -(-n // PAGE_TOKENS) + 1)) if stream else pages
+    plan = ArenaPlan(0, ring_pages or 0, pair_bytes(type_k, type_v, c.n_kv_heads, c.head_dim))
     cache = _OneLayer(n_layers=1, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=max_tokens,
                       type_k=type_k, type_v=type_v, mode="stream" if stream else "resident",
-                      arena=Arena(((ring_pages or 0) + resident) * pair + 4 * ALIGN, model.device),
+                      arena=Arena(plan.bytes(resident), model.device),
                       ring_pages=ring_pages if stream else 0, slabs={"prefill": 0, "decode": 0},
                       verify_width=n)
     cache.length = max_tokens - n  # rows are never initialised: only the buffers are measured
@@ -87,12 +86,12 @@ def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k:
     return n_tokens * width * model.dtype.itemsize + c.vocab_size * 4  # logits of the last token
 
 
-def paged_bytes(cfg, type_k: str, type_v: str, max_tokens: int, slab: int, ring_pages: int = 0) -> int:
-    """Arena bytes a paged cache of ``max_tokens`` tokens needs with every page resident."""
-    pair = (PageFormat(type_k, cfg.n_kv_heads, cfg.head_dim).page_bytes
-            + PageFormat(type_v, cfg.n_kv_heads, cfg.head_dim).page_bytes)
-    pages = cfg.n_layers * -(-max_tokens // PAGE_TOKENS) + ring_pages
-    return slab + pages * pair + 4 * ALIGN
+def paged_bytes(cfg, type_k: str, type_v: str, max_tokens: int, slab: int, ring_pages: int = 0,
+                pinned: int = 0) -> int:
+    """Arena bytes a paged cache of ``max_tokens`` tokens needs with every page resident
+    (``ArenaPlan.bytes``), besides ``pinned`` bytes pinned."""
+    plan = ArenaPlan(slab, ring_pages, pair_bytes(type_k, type_v, cfg.n_kv_heads, cfg.head_dim), pinned)
+    return plan.bytes(cfg.n_layers * -(-max_tokens // PAGE_TOKENS))
 
 
 def phase_slabs(cache: CacheConfig, model, max_tokens: int, prefill_chunk: int, verify_width: int = 1,
@@ -139,7 +138,7 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
     slab = max(slabs.values())
     if arena.mib == "auto":  # room for every page of the context: nothing needs to stream
         ring_pages = (ring or 2) if cache.mode == "stream" else 0
-        nbytes = paged_bytes(c, cache.type_k, cache.type_v, max_tokens, slab, ring_pages) + pinned_bytes + ALIGN
+        nbytes = paged_bytes(c, cache.type_k, cache.type_v, max_tokens, slab, ring_pages, pinned_bytes)
     else:
         try:
             nbytes = int(float(arena.mib) * MIB)

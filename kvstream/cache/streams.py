@@ -19,10 +19,9 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
     """A stream for a cache's copies that is not the capture stream. ``torch.cuda.Stream()`` hands
-    out a pool of 32 streams in turn, so after enough caches (each reserve pass makes some) a copy
-    stream came round to the capture stream: copies issued there were captured in line with the
-    step's kernels, which then ran one after the other (bench_stream's ninth arm, 64K with 134
-    pages streamed: 10.4 ms a step and a wait of 0.07 ms by the telemetry; alone, 7.8 ms)."""
+    out a pool of 32 streams in turn, so after enough caches (each reserve pass makes some) a new
+    stream can be the capture stream itself: copies issued there would be captured in line with
+    the step's kernels and run one after the other instead of overlapping them."""
     side = side_stream(device).cuda_stream
     while (stream := torch.cuda.Stream(device)).cuda_stream == side:
         pass

@@ -105,7 +105,7 @@ class DraftControl:
         layout = self.cache.layout
         if self._caps is None or self._caps[0] is not layout:
             cap = self.cache.capacity
-            other = self.cache.capacity_with(self.bytes if not self.active else -self.bytes)
+            other = self.cache.capacity_if_pinned(self.bytes if not self.active else -self.bytes)
             self._caps = (layout, (cap, other) if self.active else (other, cap))
         return self._caps[1]
 

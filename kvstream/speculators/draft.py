@@ -29,12 +29,12 @@ import torch
 
 from kernels.decode_attention import MAX_N_Q
 
-from kvstream.cache.arena import ALIGN, Arena
+from kvstream.cache.arena import Arena, both_slabs_bytes, pins_bytes
 from kvstream.cache.factory import paged_bytes, slabs_for
 from kvstream.engine.graphs import GraphedModel, warm_widths
 from kvstream.model.loader import open_gguf
 from kvstream.model.qwen import Qwen, load_model
-from kvstream.cache.paged import PagedCache, both_slabs_bytes
+from kvstream.cache.paged import PagedCache
 from kvstream.engine.readback import Readback
 from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.model.tokenizer import gguf_metadata
@@ -120,8 +120,11 @@ class DraftModel(Speculator):
             del on_device
             if self.device.type == "cuda":  # the copy's segments, or the process holds the weights twice
                 torch.cuda.empty_cache()
-        return (self.host.nbytes + ALIGN * len(self.host.tensors())
-                + paged_bytes(self.host.cfg, self.type_k, self.type_v, self.kv_tokens, both_slabs_bytes(self.slabs)))
+        return pins_bytes([t.nbytes for t in self.host.tensors().values()]) + self._kv_bytes(self.host.cfg)
+
+    def _kv_bytes(self, cfg) -> int:
+        """The draft KV region: every page of its window resident, beside both its compute slabs."""
+        return paged_bytes(cfg, self.type_k, self.type_v, self.kv_tokens, both_slabs_bytes(self.slabs))
 
     def _reserve(self, model) -> dict[str, int]:
         """The draft's compute slabs (``reserve_slab``), side by side in its KV region: "prefill"
@@ -141,15 +144,14 @@ class DraftModel(Speculator):
         if self.graphs:
             # the same bytes at the same addresses as when its graphs were captured (an eject and
             # re-enable pin the same tensors from the same mark): they stay valid, and a re-enable
-            # skips re-capturing the draft's steps (83-142 ms on the H200, draft_threshold_h200_final3)
+            # skips re-capturing the draft's steps (about 0.1 s on the H200)
             at = addresses(self.model)
             if self._graphed is None or self._graphed_at != at:
                 self._graphed, self._graphed_at = GraphedModel(self.model), at
             self._graphed.model = self.model
             self.model = self._graphed
         c = self.model.cfg
-        kv = arena.pin("draft.kv", (paged_bytes(c, self.type_k, self.type_v, self.kv_tokens,
-                                                both_slabs_bytes(self.slabs)),), torch.uint8)
+        kv = arena.pin("draft.kv", (self._kv_bytes(c),), torch.uint8)
         if self.cache is None:
             self.cache = PagedCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                     max_tokens=self.kv_tokens, type_k=self.type_k, type_v=self.type_v, mode="resident",
@@ -166,7 +168,7 @@ class DraftModel(Speculator):
         pages now overwrite, but a replay writes every buffer it reads, and none runs before a
         re-enable pins the weights, KV and slabs at the same addresses again."""
         if self.cache is not None:
-            self.cache.settle()  # its write-backs still read the bytes being given back
+            self.cache.wait_write_backs()  # its write-backs still read the bytes being given back
         self.model = None
         self.enabled = False
         return arena.reset(self._mark)

@@ -1,0 +1,100 @@
+"""The residency plan of a paged cache: which logical pages stay resident in the pool, the page
+tables that point every layer's pages at their pool or ring slot, and the streaming rounds.
+
+Resident page ``p`` of layer ``l`` sits at slot ``ring_pages + l * capacity + j`` of the page
+space (``j``: its pool slot); a streamed page at its place in its round's ring half. The plan
+is rebuilt only when residency changes (once per 256 tokens in steady decode)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.formats import PAGE_TOKENS
+
+from kvstream.cache.paged_ring import group_size
+
+
+class ResidencyPlan:
+    """PagedCache's plan part: ``slot`` (resident page -> pool slot), ``rounds`` (first page, end
+    page, streamed pages), ``group`` (layers per ring copy), ``round_keys`` and the page tables."""
+
+    def _pool_slot(self, layer, j):  # ints, or int tensors (every layer at once)
+        return self.ring_pages + layer * self.capacity + j
+
+    def _page_rows(self, p: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(host view, pool rows) of resident page ``p`` of every layer, for K and for V: the
+        pool holds layer l's copy ``capacity`` slots after layer l - 1's, so both sides are one
+        strided 2-D view (one copy each way)."""
+        j, last, cap = self._pool_slot(0, self.slot[p]), self.n_layers - 1, self.capacity
+        return ((self.host.k[:, p], self.kspace[j:j + last * cap + 1:cap]),
+                (self.host.v[:, p], self.vspace[j:j + last * cap + 1:cap]))
+
+    def _upload(self, pages) -> None:
+        """Resident pages ``pages`` of every layer from the host store (after ``copier.wait``)."""
+        for p in pages:
+            for host, rows in self._page_rows(p):
+                self.copier.upload(rows, host)
+            self.stats.h2d_bytes += self.n_layers * self.layout.pair
+
+    def _plan(self, n_pages: int, upload_below: int, writing: range = range(0)) -> None:
+        """Make the policy's resident set for ``n_pages`` pages current; pages entering it that
+        hold committed rows (``< upload_below``) are uploaded from the host store. Pages being
+        written (``writing``) are resident whatever the policy says: the store kernel and the
+        write-back address them in the pool; they displace the policy's last other pages."""
+        want = list(self.residency.resident(n_pages, self.capacity))
+        if len(want) > self.capacity or any(not 0 <= p < n_pages for p in want):
+            raise ValueError(f"residency policy returned {len(want)} pages for capacity {self.capacity}")
+        if any(p not in want for p in writing):
+            others = [p for p in want if p not in writing]
+            want = others[:self.capacity - len(writing)] + list(writing)
+        keep = set(want)
+        for p in [p for p in self.slot if p not in keep]:
+            del self.slot[p]
+        free = sorted(set(range(self.capacity)) - set(self.slot.values()))
+        uploads = []
+        self.copier.wait()  # the host copies of those pages were written on the copy stream
+        for p in want:
+            if p not in self.slot:
+                self.slot[p] = free.pop(0)
+                if p < upload_below:
+                    uploads.append(p)
+        self._upload(uploads)
+        # rounds: contiguous page runs with at most half the ring of streamed pages each
+        half = max(1, self.ring_pages // 2)
+        self.rounds, start, streamed = [], 0, []
+        for p in range(n_pages):
+            if p not in self.slot:
+                if len(streamed) == half:
+                    self.rounds.append((start, p, streamed))
+                    start, streamed = p, []
+                streamed.append(p)
+        self.rounds.append((start, n_pages, streamed))
+        streamed = len(self.rounds[0][2])
+        self.group = group_size(self.n_layers, half // streamed) if len(self.rounds) == 1 and streamed else 1
+        # a captured step depends on the plan only through its copies, round keys and split counts:
+        # all set by the streamed pages (and their grouping). The last round runs to the sequence's
+        # end, its splits sized to the table's, so a new page that leaves the streamed pages as they
+        # were (nothing streamed, or a residency step) keeps the graphs, in one round or several
+        sig = (tuple((a, tuple(pages)) for a, _, pages in self.rounds), self.group)
+        if sig != self._plan_sig:
+            keys = [(a * PAGE_TOKENS, b * PAGE_TOKENS if i < len(self.rounds) - 1 else None)
+                    for i, (a, b, _) in enumerate(self.rounds)]
+            if self.ops.triton:  # as device scalars, made once per plan rather than per layer and round
+                flat = torch.tensor([k if k is not None else 0 for ab in keys for k in ab], device=self.device)
+                keys = [(flat[2 * i:2 * i + 1], None if e is None else flat[2 * i + 1:2 * i + 2])
+                        for i, (_, e) in enumerate(keys)]
+            self.round_keys = keys  # kept with the plan: its captured steps read these tensors
+            self._plan_sig = sig
+            self._plan_version += 1  # new key tensors: a plan that comes back (A, B, A) is new to the graphs
+        # the page tables, a column per page for all layers at once (per-element writes from
+        # Python took 5-20 ms per plan at 28 layers x 128 pages: results/capture)
+        layers = torch.arange(self.n_layers, dtype=torch.int32)[:, None]  # _half and _pool_slot take it whole
+        for r, (_, _, pages) in enumerate(self.rounds):
+            if pages:
+                base = self._half(layers, r) * half + (layers % self.group) * len(pages)  # a group's layers side by side
+                self.tables_host[:, pages] = base + torch.arange(len(pages), dtype=torch.int32)
+        if self.slot:
+            pages, slots = zip(*self.slot.items())
+            self.tables_host[:, list(pages)] = self._pool_slot(layers, torch.tensor(slots, dtype=torch.int32))
+        self.tables.copy_(self.tables_host)
+        self._n_pages = n_pages
