@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 import conf
 
-from experiments.common import INSTRUCTION, provenance, review_prompt
+from experiments.common import INSTRUCTION, provenance, review_prompt, time_graph
 from kvstream.eval.corpus import python_sources, split_files
 from kvstream.model.mtp_gguf import load_head
 from kvstream.model.loader import open_gguf
@@ -87,28 +87,6 @@ def mtp_greedy(model, head, prompt: list[int], new: int, k: int) -> tuple[list[i
     return out[:new], accepted
 
 
-def graph_ms(fn, reps: int = 50) -> float:
-    """Median device time (ms) of ``fn`` captured once as a CUDA graph and replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 @torch.no_grad()
 def step_costs(model, head, context: int, k: int) -> dict:
     """Graphed device ms of a target step, a verify pass of k + 1 tokens and a head step at ``context``."""
@@ -132,7 +110,8 @@ def step_costs(model, head, context: int, k: int) -> dict:
         kv.length = context
         head.step(h, tokens[:1], pos, kv)
 
-    return {"target_ms": graph_ms(target(1)), "verify_ms": graph_ms(target(k + 1)), "head_ms": graph_ms(head_step)}
+    ms = lambda fn: time_graph([fn], reps=50) / 1e3
+    return {"target_ms": ms(target(1)), "verify_ms": ms(target(k + 1)), "head_ms": ms(head_step)}
 
 
 def prompts(tok: Tokenizer, context: int, n: int, held_out: float, seed: int) -> dict[str, list[int]]:
