@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from experiments.cost_model import PAGE, CostModel, fit_cost_model, require
-from kvstream.speculators.base import normalize_name
+from kvstream.speculators.registry import normalize_name
 
 RUN_COLUMNS = ("arm", "context", "rep", "decode_tok_s")
 AUTO_GOAL = 0.95  # auto should reach this fraction of the best fixed threshold's tok/s

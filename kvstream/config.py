@@ -24,7 +24,7 @@ from policies.residency import RESIDENCY
 
 from kvstream.engine.draft_control import CHARGED, GOODPUT_MIN
 from kvstream.model.sampling import SamplingParams
-from kvstream.speculators.base import parse_chain_spec
+from kvstream.speculators.registry import parse_chain_spec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CACHE_MODES = ("contiguous", "resident", "stream")

@@ -1,7 +1,7 @@
 """Speculator chain order: who the chain asks first, a pure decision over per-speculator stats.
 
 The chain asks its speculators in order and the first non-empty draft wins
-(``kvstream/speculators/base.py``), so the order decides who drafts. The engine hands a
+(``kvstream/speculators/chain.py``), so the order decides who drafts. The engine hands a
 :class:`ChainSnapshot` (the current order and each speculator's counters) and reorders the
 chain to ``decide(snap)``, a permutation of ``snap.names``. Families (DESIGN.md, "Policies"):
 

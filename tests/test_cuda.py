@@ -70,7 +70,7 @@ def test_cuda_pinned_draft_is_lossless_and_cycles_leave_memory_flat(tmp_path):
     from kvstream.config import ArenaConfig, CacheConfig
     from kvstream.engine.draft_control import DraftControl
     from kvstream.engine.speculative import speculative_generate
-    from kvstream.speculators.base import Chain
+    from kvstream.speculators.chain import Chain
     from kvstream.speculators.draft import DraftModel, load_host
     from kvstream.model.tokenizer import Tokenizer
 
@@ -216,7 +216,7 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     from kvstream.engine.graphs import GraphedModel
     from kvstream.engine.draft_control import DraftControl
     from kvstream.engine.speculative import speculative_generate
-    from kvstream.speculators.base import Chain
+    from kvstream.speculators.chain import Chain
     from kvstream.speculators.draft import DraftModel, load_host
     from kvstream.model.tokenizer import Tokenizer
 
@@ -249,7 +249,7 @@ def test_a_reenabled_draft_replays_its_graphs(tmp_path):
     from kvstream.engine.graphs import GraphedModel
     from kvstream.engine.draft_control import DraftControl
     from kvstream.engine.speculative import speculative_generate
-    from kvstream.speculators.base import Chain
+    from kvstream.speculators.chain import Chain
     from kvstream.speculators.draft import DraftModel, load_host
     from kvstream.model.tokenizer import Tokenizer
     from policies.eject import Never
@@ -289,7 +289,7 @@ def test_a_pinned_drafts_buffers_and_graphs_live_in_the_arena(tmp_path):
     from kvstream.engine.graphs import GraphedModel
     from kvstream.engine.draft_control import DraftControl
     from kvstream.engine.speculative import speculative_generate
-    from kvstream.speculators.base import Chain
+    from kvstream.speculators.chain import Chain
     from kvstream.speculators.draft import DraftModel, load_host
     from kvstream.model.tokenizer import Tokenizer
     from policies.eject import Never

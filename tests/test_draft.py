@@ -20,7 +20,7 @@ from kvstream.engine.generate import generate
 from kvstream.model.qwen import load_model
 from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.engine.speculative import accept, speculative_generate
-from kvstream.speculators.base import Chain
+from kvstream.speculators.chain import Chain
 from kvstream.speculators.draft import DraftModel, VocabMismatch, load_host
 from kvstream.speculators.ngram import NgramSimple
 from kvstream.telemetry import StepStats

@@ -12,13 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from kvstream.speculators import base
-from kvstream.speculators.base import (
-    Chain,
-    Speculator,
-    SpeculatorStats,
+from kvstream.speculators import registry
+from kvstream.speculators.base import Speculator, SpeculatorStats
+from kvstream.speculators.chain import Chain, build_chain
+from kvstream.speculators.registry import (
     UnknownSpeculatorError,
-    build_chain,
     create,
     known_names,
     parse_chain_spec,
@@ -492,15 +490,15 @@ def test_registry_errors():
     with pytest.raises(ValueError, match="bad options"):
         build_chain("ngram-simple", {"ngram-simple": {"bogus": 1}})
     with pytest.raises(ValueError, match="already registered"):
-        base.register("ngram-simple", lambda: Fixed("x", []))
+        registry.register("ngram-simple", lambda: Fixed("x", []))
 
 
 def test_registry_accepts_a_new_speculator(monkeypatch):
     """How an MTP head would plug in: register a factory, name it in a chain."""
-    monkeypatch.setattr(base, "REGISTRY", dict(base.REGISTRY))
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
     seen = {}
 
-    @base.register("mtp")
+    @registry.register("mtp")
     def make_mtp(**options):
         seen.update(options)
         return Fixed("mtp", [9, 9])

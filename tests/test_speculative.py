@@ -10,7 +10,8 @@ from kvstream.engine.generate import generate
 from kvstream.model.qwen import load_model
 from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.engine.speculative import accept, speculative_generate
-from kvstream.speculators.base import Chain, Speculator
+from kvstream.speculators.base import Speculator
+from kvstream.speculators.chain import Chain
 from kvstream.speculators.ngram import NgramSimple
 from test_paged_cache import SPEC, paged
 from tiny_gguf import write_tiny_model

@@ -19,8 +19,9 @@ from kvstream.engine.generate import Generation, generate
 from kvstream.model.registry import resolve_model
 from kvstream.model.sampling import Sampler
 from kvstream.engine.speculative import speculative_generate
-from kvstream.speculators.base import Chain, build_chain, parse_chain_spec
+from kvstream.speculators.chain import Chain, build_chain
 from kvstream.speculators.draft import load_host
+from kvstream.speculators.registry import parse_chain_spec
 from kvstream.model.tokenizer import Tokenizer
 
 

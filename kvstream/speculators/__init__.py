@@ -1,2 +1,3 @@
-"""Speculative drafters: the speculator interface and priority chain (``base``) and the
-n-gram drafters with llama.cpp's semantics (``ngram``)."""
+"""Speculative drafters: the speculator interface and its counters (``base``), the priority
+chain and ``build_chain`` (``chain``), the config names (``registry``), the n-gram drafters
+with llama.cpp's semantics (``ngram``) and the draft model (``draft``)."""

@@ -1,9 +1,9 @@
-"""Speculator interface, per-speculator statistics, the priority chain and the name registry.
+"""The speculator interface (``Speculator``) and its per-speculator counters (``SpeculatorStats``).
 
 One decode round, as the engine sees it (DESIGN.md, "One decode step, as data"):
 
-1. ``draft = chain.propose(history, n_max, state)``: the chain asks its speculators in
-   priority order; the first non-empty draft wins (``chain.last_winner``).
+1. ``draft = chain.propose(history, n_max, state)``: the chain (``chain.Chain``) asks its
+   speculators in priority order; the first non-empty draft wins (``chain.last_winner``).
 2. The target verifies ``1 + len(draft)`` tokens and keeps a prefix of the draft.
 3. ``chain.accepted(len(draft), n_accepted)``: only the winner is told.
 
@@ -27,36 +27,18 @@ Extension points, for a draft-model speculator and an MTP head:
 - ``max_draft``: the speculator's own cap on a draft's length (``None``: only the engine's
   ``n_max`` limits it); ``Chain.max_draft`` is the largest, for sizing verify batches.
 
-Registry: ``register(name, factory)`` (also usable as a decorator) maps a config name to a
-factory; ``build_chain("ngram-simple,draft", options)`` builds a chain from the comma string
-of ``spec.type`` (``none`` is the empty chain). Modules that register speculators at import
-time are listed in ``BUILTIN_MODULES`` and imported lazily by the builders, so adding the
-draft-model speculator is: write its module with ``@register("draft")`` on its factory and
-append the module to ``BUILTIN_MODULES`` (or import it before building the chain).
+Config names and factories are in ``registry``; the n-gram drafters in ``ngram_simple``,
+``ngram_map_k`` and ``ngram_mod``, the draft model in ``draft``.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Sequence
 
-__all__ = [
-    "BUILTIN_MODULES",
-    "Chain",
-    "REGISTRY",
-    "Speculator",
-    "SpeculatorStats",
-    "UnknownSpeculatorError",
-    "build_chain",
-    "create",
-    "known_names",
-    "normalize_name",
-    "parse_chain_spec",
-    "register",
-]
+__all__ = ["Speculator", "SpeculatorStats"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,233 +167,3 @@ class Speculator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
-
-
-# --------------------------------------------------------------------------------------------
-# the chain
-# --------------------------------------------------------------------------------------------
-
-
-class Chain:
-    """Speculators asked in priority order; the first non-empty draft wins and only the
-    winner is told how many of its tokens were accepted (llama.cpp's
-    ``common_speculative_draft`` / ``common_speculative_accept``). An empty chain never
-    drafts (``spec.type=none``)."""
-
-    def __init__(self, speculators: Sequence[Speculator] = ()) -> None:
-        self.speculators: list[Speculator] = list(speculators)
-        names = [s.name for s in self.speculators]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"speculator chain lists {', '.join(dup)} more than once")
-        self.last_winner: Speculator | None = None
-        self._pending: int = 0  # length of the winner's draft awaiting feedback
-
-    # -- the round ---------------------------------------------------------------------
-
-    def propose(self, history: Sequence[int], n_max: int, state: Any = None) -> list[int]:
-        self.last_winner = None
-        self._pending = 0
-        if n_max <= 0:
-            return []
-        for spec in self.speculators:
-            if not spec.enabled:
-                continue
-            draft = spec.propose(history, n_max, state)
-            if draft:
-                self.last_winner = spec
-                self._pending = len(draft)
-                return draft
-        return []
-
-    def accepted(self, n_drafted: int, n_accepted: int) -> None:
-        """Feedback for the last draft, passed to its speculator only. A call after a round
-        without a draft is allowed with ``n_drafted == 0`` and does nothing."""
-        winner = self.last_winner
-        if winner is None:
-            if n_drafted != 0:
-                raise RuntimeError("accepted() without a pending draft")
-            return
-        if n_drafted > self._pending:
-            raise ValueError(f"n_drafted={n_drafted} exceeds the draft's length {self._pending}")
-        self.last_winner = None
-        self._pending = 0
-        winner.accepted(n_drafted, n_accepted)
-
-    @property
-    def last_probs(self) -> Any:
-        return None if self.last_winner is None else self.last_winner.last_probs
-
-    # -- lifecycle ---------------------------------------------------------------------
-
-    def begin(self, prompt: Sequence[int]) -> None:
-        for s in self.speculators:
-            s.begin(prompt)
-
-    def warm(self) -> None:
-        for s in self.speculators:
-            s.warm()
-
-    def reset(self) -> None:
-        self.last_winner = None
-        self._pending = 0
-        for s in self.speculators:
-            s.reset()
-
-    def reorder(self, names: Sequence[str]) -> None:
-        """New priority order (a policy's decision); ``names`` must be a permutation of the
-        chain's names."""
-        norm = [normalize_name(n) for n in names]
-        by_name = {s.name: s for s in self.speculators}
-        if sorted(norm) != sorted(by_name):
-            raise ValueError(f"reorder needs a permutation of {self.names}, got {list(names)}")
-        self.speculators = [by_name[n] for n in norm]
-
-    # -- views -------------------------------------------------------------------------
-
-    @property
-    def names(self) -> list[str]:
-        return [s.name for s in self.speculators]
-
-    @property
-    def empty(self) -> bool:
-        return not self.speculators
-
-    @property
-    def idle(self) -> bool:
-        """No speculator is enabled (an ejected draft alone, or an empty chain): the next round
-        is a plain step whatever the history."""
-        return not any(s.enabled for s in self.speculators)
-
-    @property
-    def max_draft(self) -> int | None:
-        caps = [s.max_draft for s in self.speculators]
-        if not caps or any(c is None for c in caps):
-            return None
-        return max(c for c in caps if c is not None)
-
-    def stats(self) -> dict[str, SpeculatorStats]:
-        return {s.name: s.stats for s in self.speculators}
-
-    def get(self, name: str) -> Speculator:
-        name = normalize_name(name)
-        for s in self.speculators:
-            if s.name == name:
-                return s
-        raise KeyError(f"no speculator {name!r} in chain {self.names}")
-
-    def __len__(self) -> int:
-        return len(self.speculators)
-
-    def __iter__(self) -> Iterator[Speculator]:
-        return iter(self.speculators)
-
-    def __repr__(self) -> str:
-        return f"Chain({','.join(self.names) or 'none'})"
-
-
-# --------------------------------------------------------------------------------------------
-# registry
-# --------------------------------------------------------------------------------------------
-
-SpeculatorFactory = Callable[..., Speculator]
-
-#: config name -> factory(**options) -> Speculator
-REGISTRY: dict[str, SpeculatorFactory] = {}
-
-#: modules whose import registers speculators; imported on first use of the builders
-BUILTIN_MODULES: list[str] = ["kvstream.speculators.ngram", "kvstream.speculators.draft"]
-
-NONE = "none"
-
-
-class UnknownSpeculatorError(ValueError):
-    """A speculator name that is not registered."""
-
-
-def normalize_name(name: str) -> str:
-    """Config spelling: case-insensitive, ``_`` and ``-`` alike (llama.cpp used both)."""
-    return str(name).strip().lower().replace("_", "-")
-
-
-def register(name: str, factory: SpeculatorFactory | None = None, *, replace: bool = False):
-    """Register ``factory`` under ``name``; without ``factory`` it returns a decorator."""
-    key = normalize_name(name)
-    if key == NONE or not key:
-        raise ValueError(f"{name!r} cannot be registered")
-
-    def _do(f: SpeculatorFactory) -> SpeculatorFactory:
-        old = REGISTRY.get(key)
-        same = old is not None and (getattr(old, "__module__", None), getattr(
-            old, "__qualname__", None)) == (getattr(f, "__module__", None),
-                                            getattr(f, "__qualname__", None))
-        if old is not None and old is not f and not (replace or same):  # same: a reload
-            raise ValueError(f"speculator {key!r} is already registered")
-        REGISTRY[key] = f
-        return f
-
-    return _do if factory is None else _do(factory)
-
-
-def _load_builtins() -> None:
-    for mod in BUILTIN_MODULES:
-        importlib.import_module(mod)
-
-
-def known_names() -> list[str]:
-    """Every name a chain may use (``none`` included)."""
-    _load_builtins()
-    return [NONE, *sorted(REGISTRY)]
-
-
-def _unknown(name: str) -> UnknownSpeculatorError:
-    return UnknownSpeculatorError(
-        f"unknown speculator {name!r}; known: {', '.join(known_names())}")
-
-
-def create(name: str, **options: Any) -> Speculator:
-    """One speculator from its registered name; ``options`` go to its factory."""
-    _load_builtins()
-    key = normalize_name(name)
-    if key not in REGISTRY:
-        raise _unknown(name)
-    try:
-        spec = REGISTRY[key](**options)
-    except TypeError as e:
-        raise ValueError(f"bad options for speculator {key!r} ({dict(options)}): {e}") from e
-    spec.name = key
-    return spec
-
-
-def parse_chain_spec(spec: str | Sequence[str] | None) -> list[str]:
-    """``"ngram-simple,draft"`` -> ``["ngram-simple", "draft"]``; ``none``/empty -> ``[]``.
-    Unknown names, duplicates and ``none`` mixed with others are errors."""
-    if spec is None:
-        return []
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    names = [normalize_name(s) for s in items]
-    if isinstance(spec, str) and spec.strip() == "":
-        return []
-    if any(not n for n in names):
-        raise ValueError(f"empty entry in speculator chain {spec!r}")
-    if NONE in names:
-        if len(names) > 1:
-            raise ValueError(f"'none' cannot be combined with other speculators: {spec!r}")
-        return []
-    _load_builtins()
-    for n, raw in zip(names, items):
-        if n not in REGISTRY:
-            raise _unknown(str(raw).strip())
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"speculator chain {spec!r} lists {', '.join(dup)} more than once")
-    return names
-
-
-def build_chain(spec: str | Sequence[str] | None,
-                options: Mapping[str, Mapping[str, Any]] | None = None) -> Chain:
-    """A chain from a ``spec.type`` string; ``options[name]`` are that speculator's
-    constructor arguments (names spelled either way; options of unused names are ignored)."""
-    names = parse_chain_spec(spec)
-    opts = {normalize_name(k): dict(v or {}) for k, v in (options or {}).items()}
-    return Chain([create(n, **opts.get(n, {})) for n in names])

@@ -38,7 +38,8 @@ from kvstream.cache.paged import PagedCache
 from kvstream.engine.readback import Readback
 from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.model.tokenizer import gguf_metadata
-from kvstream.speculators.base import Speculator, register
+from kvstream.speculators.base import Speculator
+from kvstream.speculators.registry import register
 
 TOKENS = "tokenizer.ggml.tokens"
 

@@ -24,7 +24,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstream.speculators.base import Speculator, register
+from kvstream.speculators.base import Speculator
+from kvstream.speculators.registry import register
 
 __all__ = ["NgramMapK", "NgramMod", "NgramModTable", "NgramSimple"]
 
