@@ -22,7 +22,7 @@ from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.engine.speculative import accept, speculative_generate
 from kvstream.speculators.chain import Chain
 from kvstream.speculators.draft import DraftModel, VocabMismatch, load_host
-from kvstream.speculators.ngram import NgramSimple
+from kvstream.speculators.ngram_simple import NgramSimple
 from kvstream.telemetry import StepStats
 from kvstream.model.tokenizer import Tokenizer
 from policies.eject import Action, Always, KeepPages, Never, Onset

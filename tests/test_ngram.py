@@ -21,7 +21,9 @@ from kvstream.speculators.registry import (
     known_names,
     parse_chain_spec,
 )
-from kvstream.speculators.ngram import NgramMapK, NgramMod, NgramModTable, NgramSimple
+from kvstream.speculators.ngram_map_k import NgramMapK
+from kvstream.speculators.ngram_mod import NgramMod, NgramModTable
+from kvstream.speculators.ngram_simple import NgramSimple
 
 FILLER = list(range(1000, 1010))  # ten tokens that occur nowhere else
 

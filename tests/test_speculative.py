@@ -12,7 +12,7 @@ from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.engine.speculative import accept, speculative_generate
 from kvstream.speculators.base import Speculator
 from kvstream.speculators.chain import Chain
-from kvstream.speculators.ngram import NgramSimple
+from kvstream.speculators.ngram_simple import NgramSimple
 from test_paged_cache import SPEC, paged
 from tiny_gguf import write_tiny_model
 

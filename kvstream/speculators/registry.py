@@ -33,7 +33,12 @@ SpeculatorFactory = Callable[..., Speculator]
 REGISTRY: dict[str, SpeculatorFactory] = {}
 
 #: modules whose import registers speculators; imported on first use of the builders
-BUILTIN_MODULES: list[str] = ["kvstream.speculators.ngram", "kvstream.speculators.draft"]
+BUILTIN_MODULES: list[str] = [
+    "kvstream.speculators.ngram_simple",
+    "kvstream.speculators.ngram_map_k",
+    "kvstream.speculators.ngram_mod",
+    "kvstream.speculators.draft",
+]
 
 NONE = "none"
 
