@@ -12,7 +12,8 @@ import jinja2
 import pytest
 
 from kvstream.model.loader import GGUFError
-from kvstream.model.tokenizer import StreamDecoder, Tokenizer, TokenizerError, gguf_metadata
+from kvstream.model.stream_decoder import StreamDecoder
+from kvstream.model.tokenizer import Tokenizer, TokenizerError, gguf_metadata
 from tiny_vocab import add_tiny_vocab, tiny_vocab
 
 

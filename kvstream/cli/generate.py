@@ -16,7 +16,8 @@ from kvstream.model.loader import open_gguf
 from kvstream.model.qwen import load_model
 from kvstream.model.registry import resolve_model
 from kvstream.engine.runner import run_decode
-from kvstream.model.tokenizer import StreamDecoder, Tokenizer
+from kvstream.model.stream_decoder import StreamDecoder
+from kvstream.model.tokenizer import Tokenizer
 
 
 # values taken literally: free text, and speculator chains (commas would read as a Hydra sweep)

@@ -16,15 +16,14 @@ gguf_file=...)`` (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``),
 * decoder: ``ByteLevel``.
 
 Only ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE, as used by Qwen2/Llama-3-style models)
-is supported.
+is supported. The chat template is compiled by ``chat_template``; ``Tokenizer.stream_decoder``
+returns a ``stream_decoder.StreamDecoder``.
 """
 
 from __future__ import annotations
 
-import codecs
 import os
 from collections.abc import Iterable, Mapping
-from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
@@ -32,12 +31,13 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
+from kvstream.model.chat_template import compile_chat_template
 from kvstream.model.loader import open_gguf
+from kvstream.model.stream_decoder import StreamDecoder
 
 __all__ = [
     "gguf_metadata",
     "Tokenizer",
-    "StreamDecoder",
     "TokenizerError",
     "bytes_to_unicode",
     "TOKEN_NORMAL",
@@ -297,7 +297,7 @@ class Tokenizer:
         """True for special (control) tokens, the ones ``skip_special`` drops."""
         return token_id in self._special_ids
 
-    def stream_decoder(self, skip_special: bool = False) -> "StreamDecoder":
+    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special=skip_special)
 
     # -- chat template ------------------------------------------------------------------------
@@ -314,7 +314,7 @@ class Tokenizer:
         if self.chat_template is None:
             raise TokenizerError(f"{self.source}: the GGUF has no chat template (key tokenizer.chat_template)")
         if self._template is None:
-            self._template = _compile_template(self.chat_template)
+            self._template = compile_chat_template(self.chat_template)
         # transformers drops None-valued keys: templates test for presence, not for None
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         named = {
@@ -330,64 +330,3 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
-
-
-def _compile_template(source: str):
-    """Compile a chat template in the environment transformers renders chat templates in."""
-    import json
-
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class _Generation(Extension):
-        # `{% generation %}...{% endgeneration %}` marks assistant spans for training masks;
-        # rendering just keeps the body.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters, which would change the prompt
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-class StreamDecoder:
-    """Incremental detokenizer: feed ids one by one, get the text that is complete so far.
-
-    Works on bytes, so a multi-byte UTF-8 character split across tokens is emitted once its last
-    byte arrives; the concatenated output equals ``tokenizer.decode(all_ids)``.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
-        self.tokenizer = tokenizer
-        self.skip_special = skip_special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the newly printable text (possibly empty)."""
-        if self.skip_special and self.tokenizer.is_special(token_id):
-            return ""
-        return self._utf8.decode(self.tokenizer.token_bytes(token_id))
-
-    def extend(self, ids: Iterable[int]) -> str:
-        return "".join(self.push(i) for i in ids)
-
-    def flush(self) -> str:
-        """End of stream: any incomplete trailing character becomes U+FFFD."""
-        return self._utf8.decode(b"", final=True)
