@@ -189,7 +189,7 @@ def test_tiny_vocab_is_valid():
 
 
 def _byte_symbols():
-    from kvstream.model.tokenizer import bytes_to_unicode
+    from kvstream.model.gguf_vocab import bytes_to_unicode
 
     table = bytes_to_unicode()
     assert sorted(table) == list(range(256)) and table[ord("!")] == "!" and table[ord(" ")] == "Ġ"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from functools import lru_cache
 
-from kvstream.model.tokenizer import QWEN2_SPLIT, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, bytes_to_unicode
+from kvstream.model.gguf_vocab import QWEN2_SPLIT, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, bytes_to_unicode
 
 N_MERGES = 96
 

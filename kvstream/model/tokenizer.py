@@ -16,15 +16,15 @@ gguf_file=...)`` (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``),
 * decoder: ``ByteLevel``.
 
 Only ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE, as used by Qwen2/Llama-3-style models)
-is supported. The chat template is compiled by ``chat_template``; ``Tokenizer.stream_decoder``
-returns a ``stream_decoder.StreamDecoder``.
+is supported. The tables of what the keys mean are in ``gguf_vocab``, the chat template is
+compiled by ``chat_template``, and ``Tokenizer.stream_decoder`` returns a
+``stream_decoder.StreamDecoder``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from functools import lru_cache
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
@@ -32,76 +32,24 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
 from kvstream.model.chat_template import compile_chat_template
+from kvstream.model.gguf_vocab import (
+    EOG_TEXTS,
+    FIM_EOG,
+    GPT2_PRE,
+    PRE_TOKENIZER_SPLITS,
+    TOKEN_CONTROL,
+    TOKEN_NORMAL,
+    TOKEN_USER_DEFINED,
+    bytes_to_unicode,
+)
 from kvstream.model.loader import open_gguf
 from kvstream.model.stream_decoder import StreamDecoder
 
-__all__ = [
-    "gguf_metadata",
-    "Tokenizer",
-    "TokenizerError",
-    "bytes_to_unicode",
-    "TOKEN_NORMAL",
-    "TOKEN_CONTROL",
-    "TOKEN_USER_DEFINED",
-]
-
-# gguf.TokenType values, as stored in tokenizer.ggml.token_type
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
-
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# tokenizer.ggml.pre -> split regex; the names are llama.cpp's (same table as transformers').
-PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), QWEN2_SPLIT),
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx",
-         "smaug-bpe"),
-        LLAMA3_SPLIT,
-    ),
-}
-# pre-tokenizer names meaning GPT-2's own regex (ByteLevel's built-in one)
-_GPT2_PRE = (None, "default", "gpt2")
-
-# Token texts llama.cpp treats as end-of-generation wherever they occur in a vocabulary
-# (llama-vocab.cpp, "maintain a list of tokens that cause end-of-generation").
-EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-})
-# FIM pad / repo / file-separator tokens: llama.cpp stops on these too (by key, else by name).
-_FIM_EOG = {
-    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
-}
+__all__ = ["gguf_metadata", "Tokenizer", "TokenizerError"]
 
 
 class TokenizerError(ValueError):
     """A GGUF whose tokenizer metadata is missing, malformed or of an unsupported kind."""
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, in its canonical order (printable bytes first).
-
-    Byte-level BPE vocabularies spell every token with these 256 characters.
-    """
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def gguf_metadata(reader) -> dict[str, Any]:
@@ -142,7 +90,7 @@ class Tokenizer:
                 f"{source}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
             )
         pre = metadata.get("tokenizer.ggml.pre")
-        if pre not in _GPT2_PRE and pre not in PRE_TOKENIZER_SPLITS:
+        if pre not in GPT2_PRE and pre not in PRE_TOKENIZER_SPLITS:
             # transformers silently falls back to GPT-2's regex here, which splits text differently
             # from the model's own pre-tokenizer; refuse rather than mis-tokenize.
             raise TokenizerError(
@@ -243,7 +191,7 @@ class Tokenizer:
         # (id 128247) as a plain text piece (an HTML tag), and stopping on it would cut code short.
         marked = {t for t, i in index.items() if self.token_types[i] != TOKEN_NORMAL}
         eog = {index[t] for t in EOG_TEXTS & marked}
-        for key, names in _FIM_EOG.items():
+        for key, names in FIM_EOG.items():
             tid = meta.get(key)
             if tid is None:
                 tid = next((index[n] for n in names if n in marked), None)
