@@ -46,6 +46,22 @@ def git_state(*paths: str) -> tuple[str, bool]:
     return commit or "unknown", not commit or bool(git("status", "--porcelain", *paths))
 
 
+CODE = ("kvstream", "kernels", "policies", "experiments", "conf", "pyproject.toml")  # what a row's numbers depend on
+
+
+def same_code(commit: str) -> bool:
+    """Whether this checkout runs the code of ``commit``: a clean tree whose code paths are
+    ``commit``'s (a later commit that only adds results or docs is the same code)."""
+    head, dirty = git_state()
+    if dirty or head == "unknown":
+        return False
+    try:
+        return subprocess.run(["git", "diff", "--quiet", commit, head, "--", *CODE], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def provenance() -> dict:
     """Commit, dirty flag, device and versions, as columns of a result row."""
     commit, dirty = git_state()
