@@ -84,7 +84,7 @@ def study_folder(results: str, study: str, stamp: str) -> Path:
     return Path(results) / (f"{study}-{stamp}" if stamp else study)
 
 
-OmegaConf.register_new_resolver("study_folder", lambda *a: str(study_folder(*a)))  # hydra.sweep.dir
+OmegaConf.register_new_resolver("study_folder", lambda *a: str(study_folder(*a)), replace=True)  # hydra.sweep.dir
 PUBLISHED = Path(__file__).resolve().parents[1] / "results"
 _sweep: dict = {}  # this process's folder and cells run, for the Ctrl-C line
 
