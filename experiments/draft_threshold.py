@@ -27,6 +27,7 @@ says how: the same command with the folder's ``stamp=``); a row of the published
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -177,8 +178,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "wait_time_share": float(steps["wait_s"].sum() / steps["step_s"].sum())
         if len(steps) and steps["wait_s"].notna().all() else None,
         "speculators": json.dumps({n: s.as_dict() for n, s in stats.items()}),  # per speculator, fixed schema
-        "synthetic_acceptance": cfg.spec.synthetic_acceptance, "random_weights": is_skeleton(open_gguf(
-            resolve_model(cfg.model.source))),
+        "synthetic_acceptance": cfg.spec.synthetic_acceptance, "random_weights": random_weights(cfg.model.source),
         "arena_mib": cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
         "beyond_arena_mib": None if held is None else (torch.cuda.max_memory_reserved() - held - r.cache.arena.nbytes) / 2**20,
         "end_beyond_arena_mib": None if held is None else (used - r.cache.arena.nbytes) / 2**20,
@@ -195,6 +195,13 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     _sweep["ran"] = _sweep.get("ran", 0) + 1
     print(f"[{cfg.study}] arm={arm} context={cfg.context}: {g.stats.line()}", flush=True)
     return row
+
+
+@functools.cache
+def random_weights(source: str) -> bool:
+    """Whether ``source`` is a skeleton GGUF (seeded random weights); once per process, since
+    reading a GGUF's metadata (its vocabulary) takes seconds."""
+    return is_skeleton(open_gguf(resolve_model(source)))
 
 
 def reuse_published(study: str, run_id: str, out: Path) -> bool:

@@ -16,7 +16,8 @@ import re
 import sys
 from typing import Callable
 
-from hydra.errors import HydraException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
 from kvstream.model.registry import ModelNotAvailable
@@ -78,12 +79,25 @@ def main(prog: str, hydra_main: Callable[[], None], interrupted: Callable[[], st
     except KNOWN as e:  # before the task function: composition, override syntax
         if _debug:
             raise
-        fail(prog, one_line(e))
+        bad = _unparsable(sys.argv[1:]) if isinstance(e, OverrideParseException) else None
+        fail(prog, f"{bad}: {one_line(e)}" if bad else one_line(e))
     except KeyboardInterrupt:
         if _debug:
             raise
         print(f"{prog}: {interrupted()}", file=sys.stderr, flush=True)
         sys.exit(130)
+
+
+def _unparsable(args: list[str]) -> str | None:
+    """The first override that Hydra's grammar refuses (its error does not name it)."""
+    parser = OverridesParser.create()
+    for a in args:
+        try:
+            if not a.startswith("-"):
+                parser.parse_overrides([a])
+        except HydraException:
+            return a
+    return None
 
 
 def fail(prog: str, message: str) -> None:
