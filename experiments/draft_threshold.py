@@ -251,10 +251,23 @@ def arm_of(cfg) -> str:
 
 
 class Analyze(Callback):
-    """After a sweep: gather steps.csv, then the crossover tables and the figure."""
+    """Before a sweep: its config as composed (each cell's, its sweep values aside) checked, so that
+    a bad value fails before Hydra writes the folder; after: gather steps.csv, then the crossover
+    tables and the figure."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        errors.task(check_sweep)(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         analyze(study_folder(config.results, config.study, config.stamp))
+
+
+def check_sweep(cfg: DictConfig) -> None:
+    """The sweep's config and its folder's runs.csv, before anything is written (a known error
+    leaves through ``errors.task`` as a UserError, which Hydra's callback guard lets through)."""
+    runs = to_typed(cfg, StudyConfig).folder / "runs.csv"
+    if runs.exists():
+        check_columns(runs)
 
 
 def analyze(study: Path) -> None:

@@ -58,7 +58,6 @@ GENERATE = [  # (overrides, what the line says); {tiny} / {corrupt}: the module'
     (["+foo=1"], "unknown key 'foo'"),
     (["cache=nope"], "Could not find 'cache/nope'; Available options in 'cache': contiguous, resident, stream"),
     (["max_new_tokens=[1"], "max_new_tokens=[1: no viable alternative"),
-    (["max_new_tokens=abc"], "max_new_tokens=abc"),
 ]
 
 
@@ -72,7 +71,6 @@ PPL = [
     (["model.source=/nowhere/m.gguf"], "neither a registered name"),
     (["model.source={corrupt}"], "not a readable GGUF file"),
     (["ctx=2"], "ctx must be >= 3"),
-    (["cache=resident", "arena.mib=-5"], "arena.mib=-5: give a positive size in MiB, or auto"),
     (["save_logits=a.lp", "compare_logits=b.lp"], "exclusive"),
     (["+foo=1"], "unknown key 'foo'"),
 ]
@@ -98,10 +96,8 @@ def study_args(models, results: Path, *overrides: str) -> list[str]:
 
 STUDY = [
     (["spec.n_max=100"], "spec.n_max=100"),
-    (["arena.mib=-5"], "arena.mib=-5: give a positive size in MiB, or auto"),
     (["+foo=1"], "unknown key 'foo'"),
     (["arm=nope"], "Could not find 'arm/nope'"),
-    (["prompt=hi"], "the study builds its own prompt"),
     (["context=[1"], "context=[1: no viable alternative"),
 ]
 
@@ -126,8 +122,7 @@ def test_study_refuses_a_folder_of_other_columns(models, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, says", [(["steps=0"], "steps=0: must be >= 1"),
-                                             (["model.source=/nowhere/m.gguf"], "neither a registered name"),
-                                             (["+foo=1"], "unknown key 'foo'")])
+                                             (["model.source=/nowhere/m.gguf"], "neither a registered name")])
 def test_train_mtp(models, tmp_path, overrides, says):
     args = [f"model.source={models['tiny']}", "hardware=cpu", f"out={tmp_path}/h.gguf", *overrides]
     cwd = tmp_path / "cwd"

@@ -216,3 +216,21 @@ def test_a_spec_study_gets_its_table_and_figure(tiny, tmp_path):
     assert d["acceptance"] == pytest.approx(won["accepted"].sum() / won["drafted"].sum(), rel=1e-12)  # float division
     assert table[table["spec"] == "none"]["speculator"].tolist() == ["-"]
     assert (tmp_path / "t" / "spec.png").stat().st_size > 0
+
+
+def test_a_fresh_folder_takes_a_published_row_only_of_the_same_code(tiny, tmp_path, monkeypatch):
+    """A cell whose row is in results/<study>/ (same resolved config) is copied, steps included, when
+    that row's code is this checkout's (a clean tree); otherwise it runs."""
+    import experiments.draft_threshold as dt
+
+    assert run_cell(study_cfg(tiny, tmp_path / "pub", arm="none", context=300)) is not None
+    published = tmp_path / "pub" / "t" / "runs.csv"
+    pd.read_csv(published).assign(git_dirty=False).to_csv(published, index=False)
+    monkeypatch.setattr(dt, "PUBLISHED", tmp_path / "pub")
+    monkeypatch.setattr(dt, "same_code", lambda commit: True)
+    assert run_cell(study_cfg(tiny, tmp_path / "runs", arm="none", context=300, stamp="s1")) is None  # copied
+    fresh = tmp_path / "runs" / "t-s1"
+    assert pd.read_csv(fresh / "runs.csv")["run_id"].tolist() == pd.read_csv(published)["run_id"].tolist()
+    assert len(list((fresh / "steps").glob("*.csv"))) == 1
+    monkeypatch.setattr(dt, "same_code", lambda commit: False)
+    assert run_cell(study_cfg(tiny, tmp_path / "runs", arm="none", context=300, stamp="s2")) is not None  # ran
