@@ -21,6 +21,7 @@ import triton
 
 from kernels.formats import PageFormat
 from kvstream.config import ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware
+from kvstream.engine.runner import DRAFT_HOSTS
 from kvstream.eval.perplexity import stdlib_text
 from kvstream.model.loader import ModelConfig, open_gguf
 from kvstream.model.qwen import load_model
@@ -44,6 +45,22 @@ def git_state(*paths: str) -> tuple[str, bool]:
             return ""
     commit = git("rev-parse", "HEAD")
     return commit or "unknown", not commit or bool(git("status", "--porcelain", *paths))
+
+
+CODE = ("kvstream", "kernels", "policies", "experiments", "conf", "pyproject.toml")  # what a row's numbers depend on
+
+
+def same_code(commit: str) -> bool:
+    """Whether this checkout runs the code of ``commit``: a clean tree whose code paths are
+    ``commit``'s (a later commit that only adds results or docs is the same code)."""
+    head, dirty = git_state()
+    if dirty or head == "unknown":
+        return False
+    try:
+        return subprocess.run(["git", "diff", "--quiet", commit, head, "--", *CODE], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def provenance() -> dict:
@@ -103,8 +120,12 @@ def load_target(cfg: GenerateConfig):
         path = resolve_model(cfg.model.source)
         reader = open_gguf(path)
         sha = MODELS[cfg.model.source].sha256 if cfg.model.source in MODELS else sha256_file(path)
-        _TARGETS[key] = (load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope),
-                         Tokenizer.from_gguf(reader), sha)
+        model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope)
+        _TARGETS[key] = (model, Tokenizer.from_gguf(reader), sha)
+        if cfg.spec.draft.source == cfg.model.source and model.device.type == "cpu" and not any(cfg.model.rope.values()):
+            # a model drafting for itself on the CPU: the draft's host weights are these (it pins copies), not a
+            # second load of the same file
+            DRAFT_HOSTS.setdefault((cfg.spec.draft.source, str(model.dtype), str(model.device)), model)
     return _TARGETS[key]
 
 

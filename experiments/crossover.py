@@ -4,7 +4,9 @@
 
 Reads ``runs.csv`` (one row per decode cell) and ``steps.csv`` (one row per decode step) written by
 ``experiments/draft_threshold.py`` and writes beside them:
-- ``decode_table.csv``: decode tok/s per (arm, context): mean, std, n over reps;
+- ``decode_table.csv``: decode tok/s per (arm, context): mean, std, n over reps, and how many code
+  versions (``commits``: commit, ``+dirty`` apart) and configs (``configs``, the rep aside) those
+  reps ran: a mean over more than one of either is printed as a warning;
 - ``crossover.json``: the context where keeping the draft stops paying, measured (bootstrap interval
   over reps) and predicted by a cost model fitted on ``steps.csv``, and their relative error;
 - ``best_threshold.csv``: per context, the best fixed arm and how close ``auto`` comes to it.
@@ -81,13 +83,43 @@ def read_study(study: Path) -> tuple[pd.DataFrame, pd.DataFrame | None]:
 
 
 def decode_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Mean, std (NaN for one rep) and n of decode tok/s per (arm, context), sorted."""
+    """Mean, std (NaN for one rep) and n of decode tok/s per (arm, context), sorted; with ``commits``
+    and ``configs``, the code versions and configs among those reps, where runs.csv records them."""
     require(runs, RUN_COLUMNS, "runs.csv")
-    t = runs.groupby(["arm", "context"])["decode_tok_s"].agg(mean="mean", std="std", n="count").reset_index()
+    runs = runs.assign(code=_code(runs), cell_config=_cell_config(runs))
+    t = runs.groupby(["arm", "context"]).agg(mean=("decode_tok_s", "mean"), std=("decode_tok_s", "std"),
+                                             n=("decode_tok_s", "count"), commits=("code", "nunique"),
+                                             configs=("cell_config", "nunique")).reset_index()
     t.insert(2, "pages_per_layer", -(-t["context"] // PAGE))
     rank = {a: i for i, a in enumerate(arm_order(runs))}
     t = t.sort_values(["arm", "context"], key=lambda s: s.map(rank) if s.name == "arm" else s)
     return t.reset_index(drop=True)
+
+
+def _code(runs: pd.DataFrame) -> pd.Series:
+    """A row's code version: its commit, ``+dirty`` for an uncommitted tree ("" where not recorded)."""
+    if "git_commit" not in runs:
+        return pd.Series("", index=runs.index)
+    dirty = runs["git_dirty"].astype(str).eq("True") if "git_dirty" in runs else False
+    return runs["git_commit"].fillna("").astype(str) + np.where(dirty, "+dirty", "")
+
+
+def _cell_config(runs: pd.DataFrame) -> pd.Series:
+    """A row's resolved config without its rep ("" where not recorded)."""
+    if "config" not in runs:
+        return pd.Series("", index=runs.index)
+    plain = lambda c: json.dumps({k: v for k, v in json.loads(c).items() if k != "rep"}, sort_keys=True)
+    return runs["config"].map(lambda c: plain(c) if isinstance(c, str) and c else "")
+
+
+def mixed(table: pd.DataFrame) -> str | None:
+    """A warning when a decode-table mean averages reps of several commits or configs, else None."""
+    bad = table[(table["commits"] > 1) | (table["configs"] > 1)]
+    if bad.empty:
+        return None
+    cells = ", ".join(f"{a} at {c}" for a, c in zip(bad["arm"], bad["context"]))
+    return (f"warning: {len(bad)} of {len(table)} means average reps of several commits or configs ({cells}): "
+            "see decode_table.csv's commits / configs columns")
 
 
 def eject_threshold(runs: pd.DataFrame, eject: str) -> float:
@@ -345,6 +377,8 @@ def main(argv=None) -> None:
     best.to_csv(args.study / "best_threshold.csv", index=False)
     (args.study / "crossover.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"decode tok/s per arm and context ({args.study})\n{table.to_string(index=False, float_format='%.2f')}\n")
+    if mixed(table):
+        print(mixed(table))
     print(f"best fixed threshold per context\n{best.to_string(index=False, float_format='%.3f')}\n")
     print(f"crossover {args.keep} -> {args.eject}")
     print(f"  measured:  {describe(result['measured'])}")

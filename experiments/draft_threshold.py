@@ -14,18 +14,25 @@ group (``conf/arm/``) that sets the speculation and the eject policy:
 runs.csv names each row's arm from what it ran (``experiments.crossover.arm_label`` of its
 ``policy``, ``keep_pages`` and ``spec_type`` columns), as the analysis does.
 
-Each cell appends one row to ``<results>/<study>/runs.csv`` (full resolved config and
-provenance) and writes its per-step records to ``steps/<run_id>.csv``; a cell whose row exists
-is skipped, so a killed sweep resumes where it stopped and loses no finished row. When the
-sweep ends, ``Analyze`` gathers ``steps.csv`` and runs ``experiments.crossover`` and
-``experiments.plot_draft_thresholds`` over the folder.
+The study folder: a fresh sweep writes to ``runs/<study>-<UTC stamp>/`` (untracked), never to a
+published ``results/`` folder; ``study=``, ``results=`` or ``stamp=`` choose another (a folder of
+``results/`` only when asked). Each cell appends one row to the folder's ``runs.csv`` (full
+resolved config and provenance) and writes its per-step records to ``steps/<run_id>.csv``. A
+cell whose row is in the folder is skipped, so a killed sweep resumes where it stopped (Ctrl-C
+says how: the same command with the folder's ``stamp=``); a row of the published
+``results/<study>/`` is reused only when its config is the cell's and its code is this checkout's
+(``common.same_code``). When the sweep ends, ``Analyze`` gathers ``steps.csv`` and runs
+``experiments.crossover`` and ``experiments.plot_draft_thresholds`` over the folder.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
+import re
+import shutil
 import sys
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -36,10 +43,11 @@ import hydra
 import pandas as pd
 import torch
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from experiments.common import load_target, provenance, review_prompt
+from experiments.common import load_target, provenance, review_prompt, same_code
 from experiments.crossover import arm_label
+from kvstream.cli import errors
 from kvstream.config import GenerateConfig, quote_free_text, register_schema, to_typed
 from kvstream.engine.gpu_clock import ClockSampler
 from kvstream.model.loader import is_skeleton, open_gguf
@@ -49,8 +57,9 @@ from kvstream.engine.runner import run_decode
 
 @dataclass
 class StudyConfig(GenerateConfig):
-    study: str = "draft_threshold"  # results land in <results>/<study>/
-    results: str = "results"
+    study: str = "draft_threshold"  # the study's name; its folder is <results>/<study>[-<stamp>]/
+    results: str = "runs"      # untracked; results/ holds the published folders
+    stamp: str = ""            # a fresh sweep's UTC start (main sets it unless study=, results= or stamp= is given)
     context: int = 1024        # prompt tokens: source code + the review instruction
     rep: int = 0               # repetition index (a separate cell)
     instruction: str = "Review the code above: point out bugs, unclear names and missing tests."
@@ -66,6 +75,19 @@ class StudyConfig(GenerateConfig):
         if self.prompt or self.chat or self.system is not None:
             raise ValueError(f"prompt={self.prompt!r}, chat={self.chat}, system={self.system!r}: the study builds its "
                              "own prompt (source code + instruction, chat template); set context= and instruction=")
+
+    @property
+    def folder(self) -> Path:
+        return study_folder(self.results, self.study, self.stamp)
+
+
+def study_folder(results: str, study: str, stamp: str) -> Path:
+    return Path(results) / (f"{study}-{stamp}" if stamp else study)
+
+
+OmegaConf.register_new_resolver("study_folder", lambda *a: str(study_folder(*a)), replace=True)  # hydra.sweep.dir
+PUBLISHED = Path(__file__).resolve().parents[1] / "results"
+_sweep: dict = {}  # this process's folder and cells run, for the Ctrl-C line
 
 
 # runs.csv's columns, in order (``run_cell`` builds its row with exactly these)
@@ -101,11 +123,12 @@ def check_columns(runs: Path) -> None:
 
 
 def run_cell(cfg: StudyConfig) -> dict | None:
-    """Run one cell unless its row exists; returns the row (None: skipped)."""
-    out = Path(cfg.results) / cfg.study
+    """Run one cell unless its row exists; returns the row (None: skipped, or reused from results/)."""
+    out = cfg.folder
+    _sweep.setdefault("folder", out)
     arm = arm_of(cfg)
     resolved = asdict(cfg)
-    for key in ("progress", "results"):  # where rows go and how they show: not part of the cell
+    for key in ("progress", "results", "stamp"):  # where rows go and how they show: not part of the cell
         resolved.pop(key)
     run_id = hashlib.sha1(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:12]
     runs = out / "runs.csv"
@@ -113,6 +136,10 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         check_columns(runs)
     if runs.exists() and run_id in set(pd.read_csv(runs, usecols=["run_id"], dtype=str)["run_id"]):
         print(f"[{cfg.study}] arm={arm} context={cfg.context} rep={cfg.rep}: done before ({run_id}), skipped")
+        return None
+    if reuse_published(cfg.study, run_id, out):
+        print(f"[{cfg.study}] arm={arm} context={cfg.context} rep={cfg.rep}: reused {PUBLISHED.name}/{cfg.study}'s "
+              f"row ({run_id}: same config, same code)")
         return None
     model, tok, sha = load_target(cfg)
     prompt = review_prompt(tok, cfg.context, cfg.instruction)
@@ -151,8 +178,7 @@ def run_cell(cfg: StudyConfig) -> dict | None:
         "wait_time_share": float(steps["wait_s"].sum() / steps["step_s"].sum())
         if len(steps) and steps["wait_s"].notna().all() else None,
         "speculators": json.dumps({n: s.as_dict() for n, s in stats.items()}),  # per speculator, fixed schema
-        "synthetic_acceptance": cfg.spec.synthetic_acceptance, "random_weights": is_skeleton(open_gguf(
-            resolve_model(cfg.model.source))),
+        "synthetic_acceptance": cfg.spec.synthetic_acceptance, "random_weights": random_weights(cfg.model.source),
         "arena_mib": cfg.arena.mib, "arena_bytes": r.cache.arena.nbytes,
         "beyond_arena_mib": None if held is None else (torch.cuda.max_memory_reserved() - held - r.cache.arena.nbytes) / 2**20,
         "end_beyond_arena_mib": None if held is None else (used - r.cache.arena.nbytes) / 2**20,
@@ -166,8 +192,37 @@ def run_cell(cfg: StudyConfig) -> dict | None:
     if tuple(row) != ROW_COLUMNS:  # appending would shift columns
         raise RuntimeError(f"run_cell's row and ROW_COLUMNS disagree: {sorted(set(row) ^ set(ROW_COLUMNS))}")
     pd.DataFrame([row]).to_csv(runs, mode="a", header=not runs.exists(), index=False)  # the row marks it done
+    _sweep["ran"] = _sweep.get("ran", 0) + 1
     print(f"[{cfg.study}] arm={arm} context={cfg.context}: {g.stats.line()}", flush=True)
     return row
+
+
+@functools.cache
+def random_weights(source: str) -> bool:
+    """Whether ``source`` is a skeleton GGUF (seeded random weights); once per process, since
+    reading a GGUF's metadata (its vocabulary) takes seconds."""
+    return is_skeleton(open_gguf(resolve_model(source)))
+
+
+def reuse_published(study: str, run_id: str, out: Path) -> bool:
+    """Copy the published ``results/<study>/`` row ``run_id`` (same resolved config) and its steps
+    into ``out`` when that row's code is this checkout's; True if it did."""
+    src = PUBLISHED / study
+    if not (src / "runs.csv").is_file() or src.resolve() == out.resolve():
+        return False
+    rows = pd.read_csv(src / "runs.csv", dtype={"run_id": str}, keep_default_na=False)
+    rows = rows[(rows["run_id"] == run_id) & (rows["git_dirty"].astype(str) == "False")]
+    rows = rows[[same_code(c) for c in rows["git_commit"]]]
+    steps = src / "steps" / f"{run_id}.csv"
+    if rows.empty or not steps.is_file():
+        return False
+    (out / "steps").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(steps, out / "steps" / steps.name)
+    runs = out / "runs.csv"
+    if runs.exists():
+        check_columns(runs)
+    rows.iloc[:1].reindex(columns=list(ROW_COLUMNS)).to_csv(runs, mode="a", header=not runs.exists(), index=False)
+    return True
 
 
 def _held_before(device: torch.device) -> int | None:
@@ -196,10 +251,23 @@ def arm_of(cfg) -> str:
 
 
 class Analyze(Callback):
-    """After a sweep: gather steps.csv, then the crossover tables and the figure."""
+    """Before a sweep: its config as composed (each cell's, its sweep values aside) checked, so that
+    a bad value fails before Hydra writes the folder; after: gather steps.csv, then the crossover
+    tables and the figure."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        errors.task(check_sweep)(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        analyze(Path(config.results) / config.study)
+        analyze(study_folder(config.results, config.study, config.stamp))
+
+
+def check_sweep(cfg: DictConfig) -> None:
+    """The sweep's config and its folder's runs.csv, before anything is written (a known error
+    leaves through ``errors.task`` as a UserError, which Hydra's callback guard lets through)."""
+    runs = to_typed(cfg, StudyConfig).folder / "runs.csv"
+    if runs.exists():
+        check_columns(runs)
 
 
 def analyze(study: Path) -> None:
@@ -224,9 +292,12 @@ def analyze(study: Path) -> None:
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="draft_threshold")
+@errors.task
 def _main(cfg: DictConfig) -> None:
     try:
         run_cell(to_typed(cfg, StudyConfig))
+    except errors.KNOWN:  # a bad value or folder: every cell would fail the same way, the sweep stops
+        raise
     except Exception as e:
         # say so now, not when the sweep ends, and raise an error that holds no frames: Hydra keeps
         # every failed cell's exception until the sweep ends, and the frames of its traceback (and
@@ -239,9 +310,23 @@ def _main(cfg: DictConfig) -> None:
 register_schema("draft_threshold_schema", StudyConfig)
 
 
+def interrupted() -> str:
+    folder = _sweep.get("folder")
+    if folder is None:
+        return "interrupted before the first cell: nothing written"
+    done = len(pd.read_csv(folder / "runs.csv", usecols=["run_id"])) if (folder / "runs.csv").exists() else 0
+    again = f" plus stamp={_sweep['stamp']}" if "stamp" in _sweep else ""
+    return (f"interrupted: {done} cells done in {folder} ({_sweep.get('ran', 0)} run now); the same command{again} "
+            "resumes with the next")
+
+
 def main() -> None:
     quote_free_text(sys.argv, ("instruction", "spec.type"))
-    _main()
+    if not any(re.match(r"[+~]*(study|results|stamp)=", a) for a in sys.argv[1:]):  # a fresh folder
+        _sweep["stamp"] = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        last = max((i for i, a in enumerate(sys.argv) if "=" in a and not a.startswith("-")), default=len(sys.argv) - 1)
+        sys.argv.insert(last + 1, f"stamp={_sweep['stamp']}")  # beside the overrides: argparse wants them together
+    errors.main("draft_threshold", _main, interrupted)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     python -m experiments.plot_draft_thresholds results/<study> [--keep keep] [--eject onset]
 
 Reads the study's ``runs.csv`` (and ``steps.csv`` for the predicted crossover) and writes
-``draft_thresholds.png`` beside them: one line per arm (mean over reps, error bars = std), a dashed
+``draft_thresholds.png`` beside them: one line per arm (mean over its n reps, n in the legend; error
+bars: the 95% t-interval of the mean where n > 1), the x axis ticked at the measured contexts, a dashed
 line at the streaming onset (``crossover.eject_threshold``), a dotted one at the measured crossover,
 a dash-dotted one at the cost model's prediction for the study's decode length and a grey one at
 its prediction for long decodes (see experiments/crossover.py), and the cost model's tok/s of the
@@ -22,7 +23,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
+from scipy import stats  # noqa: E402
 
 from experiments.common import title  # noqa: E402
 from experiments.cost_model import CostModel  # noqa: E402
@@ -34,11 +36,20 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
     runs, steps = read_study(study)
     table = decode_table(runs)
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    colors = {}
-    for arm in arm_order(runs):
+    colors, bars = {}, []
+    order = arm_order(runs)
+    for i, arm in enumerate(order):
         t = table[table["arm"] == arm]
-        bars = ax.errorbar(t["context"], t["mean"], yerr=t["std"].fillna(0), marker="o", ms=4, capsize=3, label=arm)
-        colors[arm] = bars.lines[0].get_color()
+        x = t["context"] * 1.015 ** (i - (len(order) - 1) / 2)  # arms side by side, so that no interval hides another
+        n = t["n"].min() if t["n"].nunique() == 1 else f"{t['n'].min()}-{t['n'].max()}"
+        line, = ax.plot(x, t["mean"], marker="o", ms=4, label=f"{arm} (n={n})")
+        colors[arm] = line.get_color()
+        several = t[t["n"] > 1]  # one rep: a point, no interval
+        if len(several):
+            half = stats.t.ppf(0.975, several["n"] - 1) * several["std"] / np.sqrt(several["n"])
+            ax.errorbar(x[several.index], several["mean"], yerr=half, fmt="none", ecolor=colors[arm], capsize=3,
+                        alpha=0.6)
+            bars += list(several["mean"] + half) + list(several["mean"] - half)
     onset = eject_threshold(runs, "onset")
     if onset > 0:
         ax.axvline(onset, color="grey", ls="--", label=f"onset {onset:.0f} tokens")
@@ -59,15 +70,22 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
         if x is not None and x <= 1.5 * runs["context"].max():  # one far out would squash the curves
             ax.axvline(x, color=color, ls=ls, label=f"{name} crossover {x:.0f} tokens ({x / PAGE:.1f} pages)")
     ax.set_xscale("log", base=2)
+    contexts = sorted(runs["context"].unique())
     top = ax.secondary_xaxis("top", functions=(lambda x: x / PAGE, lambda p: p * PAGE))
     top.set_xlabel("pages per layer")
-    for ticks in (top.xaxis.set_major_formatter, top.xaxis.set_minor_formatter):
-        ticks(FuncFormatter(lambda v, _: f"{v:g}"))  # 12, not 1.2 x 10^1
+    for axis, scale in ((ax.xaxis, 1), (top.xaxis, PAGE)):  # ticks at the measured contexts, not powers of two
+        axis.set_major_locator(FixedLocator([c / scale for c in contexts]))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.4g}"))
+        axis.set_minor_locator(NullLocator())
+    high = 1.15 * runs["decode_tok_s"].max()  # a few reps give wide intervals: the axes follow the measurements
+    ax.set_ylim(0, high)
+    clipped = " (clipped to the axes)" if any(not 0 <= b <= high for b in bars) else ""
     ax.set_xlabel("context (prompt tokens)")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(textwrap.fill(title(runs), 110, break_long_words=False, replace_whitespace=False), fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, title_fontsize=8,
+              title=f"error bars: 95% t-interval of the mean over n reps{clipped}" if bars else "one rep per point")
     fig.tight_layout()
     out = study / "draft_thresholds.png"
     fig.savefig(out, dpi=120)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from kvstream.cli import errors
 from kvstream.config import Hardware, ModelSource, to_typed
 from kvstream.eval.corpus import ROOTS, python_sources, split_files, token_sequences
 from kvstream.model.loader import open_gguf
@@ -245,9 +246,14 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="train_mtp")
+@errors.task
 def _main(cfg: DictConfig) -> None:
     train(to_typed(cfg, TrainConfig), command=" ".join(["python -m experiments.train_mtp", *sys.argv[1:]]))
 
 
+def main() -> None:
+    errors.main("train_mtp", _main, lambda: "interrupted: the last checkpoint is kept; the same command resumes from it")
+
+
 if __name__ == "__main__":
-    _main()
+    main()

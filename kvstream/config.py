@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
 
 from kernels.formats import KV_TYPES
 from policies import chain_order, draft_length, eject
@@ -283,8 +284,10 @@ def register_schema(name: str, cls: type) -> None:
 def to_typed(cfg: DictConfig, cls: type[T]) -> T:
     """Validate ``cfg`` against dataclass ``cls`` (unknown keys and wrong types are errors)."""
     schema = OmegaConf.structured(cls)
-    # as plain values: a config composed on the schema keeps keys added with +key=value
-    return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.to_container(cfg)))
+    try:  # as plain values: a config composed on the schema keeps keys added with +key=value
+        return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.to_container(cfg)))
+    except ConfigKeyError as e:
+        raise ValueError(f"unknown key {e.full_key!r}: {cls.__name__} has no such knob (every knob: docs/config.md)") from None
 
 
 def hydra_literal(value: str) -> str:

@@ -21,7 +21,7 @@ import pytest
 from experiments.common import title
 from experiments.cost_model import (CostModel, acceptance_per_token, after_transition, eject_cost, eject_seconds,
                                     fit_cost_model, page_cost, page_costs, round_pages)
-from experiments.crossover import (PAGE, analyze, best_threshold, capacity_curve, crossover, decode_table,
+from experiments.crossover import (PAGE, analyze, best_threshold, capacity_curve, crossover, decode_table, mixed,
                                    eject_threshold, main, predicted_crossover, read_study)
 from experiments.crossover import arm_label, arm_order
 from experiments.plot_draft_thresholds import plot
@@ -110,6 +110,15 @@ def test_decode_table_mean_std_n():
     row = t[(t.arm == "keep") & (t.context == 18 * PAGE)].iloc[0]
     assert (row["mean"], row["std"], row["n"], row["pages_per_layer"]) == (64.0, 1.0, 3, 18)
     assert list(t.arm.unique()) == ["none", "keep", "onset", "keep_pages=20", "auto"]
+
+
+def test_decode_table_counts_the_commits_and_configs_it_averages():
+    runs = make_runs()
+    assert mixed(decode_table(runs)) is None
+    runs.loc[(runs.arm == "keep") & (runs.context == 18 * PAGE) & (runs.rep == 2), "git_commit"] = "def"
+    t = decode_table(runs)
+    assert t[t.commits > 1][["arm", "context"]].values.tolist() == [["keep", 18 * PAGE]]
+    assert mixed(t).startswith("warning: 1 of ") and f"keep at {18 * PAGE}" in mixed(t)
 
 
 def test_crossover_interpolates_and_bootstrap_contains_it(tmp_path):

@@ -11,6 +11,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from kvstream.cli import errors
 from kvstream.config import GenerateConfig, quote_free_text, to_typed
 from kvstream.model.loader import open_gguf
 from kvstream.model.qwen import load_model
@@ -25,6 +26,8 @@ FREE_TEXT = ("prompt", "system", "spec.type")
 
 
 def run(cfg: GenerateConfig, out=sys.stdout) -> None:
+    if not cfg.prompt and not cfg.chat:
+        raise ValueError("prompt='': give a prompt of at least one character (or chat=true)")
     reader = open_gguf(resolve_model(cfg.model.source))
     tok = Tokenizer.from_gguf(reader)
     model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope)
@@ -60,13 +63,14 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> None:
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="generate")
+@errors.task
 def _main(cfg: DictConfig) -> None:
     run(to_typed(cfg, GenerateConfig))
 
 
 def main() -> None:
     quote_free_text(sys.argv, FREE_TEXT)
-    _main()
+    errors.main("kvstream-generate", _main, lambda: "interrupted: the generation stopped")
 
 
 if __name__ == "__main__":

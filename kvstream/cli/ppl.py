@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from kvstream.cache.factory import make_cache
+from kvstream.cli import errors
 from kvstream.config import ArenaConfig, CacheConfig, Hardware, ModelSource, register_schema, to_typed
 from kvstream.model.loader import open_gguf, read_config
 from kvstream.model.qwen import load_model
@@ -43,6 +44,7 @@ class PplConfig:
     save_logits: str | None = None    # PATH: save the scored log-probs as a base (~2 bytes x vocab per token)
     compare_logits: str | None = None  # PATH: KL divergence of this run against a saved base
     logits_format: str = "uint16"     # how save_logits stores log-probs: uint16 (to 4.9e-4) | float32 (2x the size)
+    force: bool = False               # save_logits: write a file above 2 GiB (check_run's SAVE_LIMIT)
     out_json: str | None = None       # PATH: append the summary as one JSON line
     progress: bool = True             # a tqdm bar per chunk on stderr
 
@@ -76,7 +78,7 @@ def run(cfg: PplConfig, out=sys.stdout) -> dict:
         n_chunks = LogprobFile(cfg.compare_logits).n_chunks
     chunks = split_chunks(tokens, cfg.ctx, n_chunks, tok.bos_id if tok.add_bos else None)
     check_run(chunks, read_config(reader, **cfg.model.rope), batch=cfg.batch, logits_format=cfg.logits_format,
-              save_logits=cfg.save_logits, compare_logits=cfg.compare_logits)  # before loading the weights
+              save_logits=cfg.save_logits, compare_logits=cfg.compare_logits, force=cfg.force)  # before loading the weights
     model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope)
     meta = {"text": source, "model": str(cfg.model.source), "hardware": dataclasses.asdict(cfg.hardware)}
     new_cache = lambda n: make_cache(cfg.cache, cfg.arena, model, n, cfg.batch, all_logits=True)  # one per chunk
@@ -104,12 +106,13 @@ register_schema("ppl_schema", PplConfig)
 
 
 @hydra.main(version_base=None, config_path="pkg://conf", config_name="ppl")
+@errors.task
 def _main(cfg: DictConfig) -> None:
     run(to_typed(cfg, PplConfig))
 
 
 def main() -> None:
-    _main()
+    errors.main("kvstream-ppl", _main, lambda: "interrupted: nothing saved (a log-prob file is written whole or not at all)")
 
 
 if __name__ == "__main__":

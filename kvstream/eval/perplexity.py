@@ -334,11 +334,15 @@ class PplResult:
         return "\n".join(lines)
 
 
+SAVE_LIMIT = 2 * 2**30  # save_logits refuses a larger file unless forced
+
+
 def check_run(chunks: torch.Tensor, model_cfg, *, batch: int = 512, logits_format: str = "uint16",
-              save_logits=None, compare_logits=None) -> LogprobFile | None:
+              save_logits=None, compare_logits=None, force: bool = False) -> LogprobFile | None:
     """Refuse a run that cannot work, before any model work; returns the opened base, if any.
-    ``model_cfg`` is the model's :class:`~kvstream.model.loader.ModelConfig` (cheap to read from a GGUF)."""
-    ctx = chunks.shape[1]
+    ``model_cfg`` is the model's :class:`~kvstream.model.loader.ModelConfig` (cheap to read from a GGUF).
+    A ``save_logits`` file above :data:`SAVE_LIMIT` is refused unless ``force``."""
+    n, ctx = chunks.shape
     if ctx > model_cfg.context_length:
         raise ValueError(f"ctx={ctx} exceeds the model's context length of {model_cfg.context_limit}")
     if batch < 1:
@@ -347,6 +351,14 @@ def check_run(chunks: torch.Tensor, model_cfg, *, batch: int = 512, logits_forma
         raise ValueError(f"logits_format={logits_format!r}; choose one of {', '.join(LOGITS_FORMATS)}")
     if save_logits is not None and compare_logits is not None:
         raise ValueError("save_logits and compare_logits are exclusive: save a base in one run, compare in another")
+    if save_logits is not None:
+        need = LogprobFile.nbytes(n, ctx, model_cfg.vocab_size, logits_format)
+        if need > SAVE_LIMIT and not force:
+            raise ValueError(f"save_logits={save_logits} would write {need / 2**30:.1f} GiB ({n} chunks x "
+                             f"{ctx - 1 - ctx // 2} scored positions x {model_cfg.vocab_size} vocab x "
+                             f"{row_bytes(model_cfg.vocab_size, logits_format) / model_cfg.vocab_size:.0f} bytes, "
+                             f"{logits_format}), above the {SAVE_LIMIT / 2**30:.0f} GiB limit: set n_chunks "
+                             "(or force=true)")
     if compare_logits is None:
         return None
     base = LogprobFile(compare_logits)
@@ -367,7 +379,7 @@ def perplexity(model, chunks: torch.Tensor, *, batch: int = 512, make_cache: Cal
     n, ctx = chunks.shape
     vocab = model.cfg.vocab_size
     base = check_run(chunks, model.cfg, batch=batch, logits_format=logits_format, save_logits=save_logits,
-                     compare_logits=compare_logits)
+                     compare_logits=compare_logits, force=True)  # a size limit is the command's (kvstream-ppl)
     make_cache = make_cache or model.new_cache
     writer = None
     if save_logits is not None:
