@@ -124,6 +124,8 @@ class ProbeCache(ContiguousCache):
 
 
 KLD_COLS = ("kld_mean", "kld_mean_err", "kld_median", "kld_99.9", "same_top1", "ppl_ratio")
+COLS = ["arm", "against", "batch", "ppl", "ppl_err", *KLD_COLS, "seconds", "model", "text", "ctx", "n_chunks",
+        "git_commit", "git_dirty", "device_name", "torch", "triton", "python", "command"]
 
 
 def compare_files(base: Path, run: Path) -> dict:
@@ -164,7 +166,7 @@ def main() -> None:
     def emit(row: dict) -> None:  # one CSV row per (arm, base), appended as soon as it is known
         print(row, flush=True)
         f = out / "locate.csv"
-        pd.DataFrame([{**row, **prov}]).to_csv(f, mode="a", header=not f.exists(), index=False)
+        pd.DataFrame([{**row, **prov}]).reindex(columns=COLS).to_csv(f, mode="a", header=not f.exists(), index=False)
 
     for name in args.arms.split(","):
         if name == "attn_err":
