@@ -49,7 +49,8 @@ def slabs(model, ring, max_tokens=2048, types=("q8_0", "q4_0")):
     """The phases' slabs; on CUDA (measured) the decode phase keeps the prefill's: the tiny
     model's pages are ~50 KB and a 2 MiB allocator segment is 40 of them, so a shrinking slab
     would leave every page resident where a test wants a given number."""
-    s = phase_slabs(CacheConfig(mode="stream", type_k=types[0], type_v=types[1], ring_pages=ring), model,
+    s = phase_slabs(CacheConfig(mode="stream" if ring else "resident", type_k=types[0], type_v=types[1],
+                                ring_pages=ring or "auto"), model,
                     max_tokens, CHUNK)
     return {"prefill": max(s.values()), "decode": max(s.values())} if model.device.type == "cuda" else s
 
