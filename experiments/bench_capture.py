@@ -1,19 +1,23 @@
-"""What a new streaming plan costs a graphed decode step: the parts of a re-capture, timed.
+"""What a new streaming plan costs a graphed decode step: a capture's parts, or an update of the
+captured copies, timed; synchronised per step and run ahead as a decode runs.
 
     python -m experiments.bench_capture --model .models/qwen2.5-coder-1.5b.skeleton.gguf \
         --context 16384 --resident 26 --ring-pages 64 --width 5 --pages 4 [--residency-step 1 4]
 
 A streaming plan's copies change when a page opens (every 256 tokens; in one round, every
-``--residency-step`` pages), and ``GraphedModel`` captures the step anew. This prefills ``--context`` random tokens into a
-stream cache in an arena that holds ``--resident`` pages per layer, then decodes steps of
-``--width`` tokens (device-synchronised each) across ``--pages`` page openings, timing what
-a re-capture runs (the functions are wrapped, so the times are the real calls'):
-``cache.begin`` (with the residency plan and the eager first-round copy), the warm-up body,
-``torch.cuda.graph``'s entry (synchronize, empty_cache, the host cache's), the captured body,
-``capture_end`` (instantiation), and the rest of the step (the new graph's first replay).
-Writes ``<out>/capture_<model>_<context>_w<width>.csv`` (one row per step, with the model, the
-command, the commit, the GPU and the versions) and prints the steady step, each plan-change
-step and its excess by part; ``--profile`` adds a cProfile of the plan-change steps.
+``--residency-step`` pages). ``GraphedModel`` re-points the captured step's copies when the
+plan keeps the step's shape, and captures anew when it does not. This prefills ``--context``
+random tokens into a stream cache in an arena that holds ``--resident`` pages per layer, then
+decodes steps of ``--width`` tokens across ``--pages`` page openings twice: ``synced`` (the
+device synchronised after each step, so a step's host and device parts add up) timing what a
+plan change runs (the functions are wrapped, so the times are the real calls'): ``cache.begin``
+(with the residency plan and the eager first-round copy), a capture's warm-up body, entry,
+captured body and instantiation, the copy-node update, and the rest; and ``ahead`` (the host
+queues each step before waiting for the one before, as ``generate`` does), where a step's cost
+is the interval between two steps' ends. Writes ``<out>/capture_<model>_<context>_w<width>.csv``
+(one row per step and mode, with the model, the command, the commit, the GPU and the versions)
+and prints the steady step, each plan-change step and its excess by part; ``--profile`` adds a
+cProfile of the plan-change steps.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ from experiments.common import provenance
 from kvstream.cache.arena import MIB, ArenaPlan, pair_bytes
 from kvstream.cache.factory import make_cache, phase_slabs
 from kvstream.config import ArenaConfig, CacheConfig
+from kvstream.engine.graph_copies import CopyNodes
 from kvstream.engine.graphs import GraphedModel
 from kvstream.model.qwen import load_model
 
 SYNC = torch.cuda.synchronize  # this script's own waits, not counted as a capture's
 
 PARTS = ("begin", "plan", "warm_body", "sync", "empty_cache", "host_empty_cache", "capture_body",
-         "capture_end", "commit")
+         "capture_end", "instantiate", "update", "commit")
 
 
 class Clock:
@@ -66,6 +71,8 @@ def instrument_torch(clock: Clock) -> None:
     torch.cuda.empty_cache = clock.wrap(torch.cuda.empty_cache, "empty_cache")
     torch._C._host_emptyCache = clock.wrap(torch._C._host_emptyCache, "host_empty_cache")
     torch.cuda.CUDAGraph.capture_end = clock.wrap(torch.cuda.CUDAGraph.capture_end, "capture_end")
+    torch.cuda.CUDAGraph.instantiate = clock.wrap(torch.cuda.CUDAGraph.instantiate, "instantiate")
+    CopyNodes.update = clock.wrap(CopyNodes.update, "update")
 
 
 def instrument(clock: Clock, graphed: GraphedModel, cache) -> None:
@@ -103,43 +110,66 @@ def measure(model, clock: Clock, context: int, width: int, pages: int, resident:
     cache.set_phase("decode")
     print(f"arena {nbytes / MIB:.0f} MiB: {cache.capacity} resident pages per layer, ring {cache.ring_pages}")
     graphed = GraphedModel(model)
-    step = lambda: graphed(torch.randint(0, model.cfg.vocab_size, (width,), generator=g).cuda(), cache, width > 1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    step = lambda: graphed(torch.randint(0, model.cfg.vocab_size, (width,), device="cuda", generator=gen), cache,
+                           width > 1)
     for _ in range(3):  # compile and capture this width at this plan
         step()
     SYNC()
     instrument(clock, graphed, cache)
-    rows = []
-    for i in range(new // width - 3):
-        clock.t.clear()
-        before = graphed.captures
-        t0 = time.perf_counter()
-        if profiler is not None and cache.length // 256 != (cache.length + width) // 256:  # a page opens
-            profiler.enable()
-            step()
-            profiler.disable()
-        else:
-            step()
+    rows, start = [], cache.length
+    for mode in ("synced", "ahead"):
+        cache.truncate(start)  # the same steps again: the plans come back, their graphs are kept
+        done, last = None, time.perf_counter()
+        for i in range(new // width - 3):
+            clock.t.clear()
+            before, updates = graphed.captures, graphed.updates
+            t0 = time.perf_counter()
+            opens = cache.length // 256 != (cache.length + width) // 256
+            if profiler is not None and opens and mode == "synced":
+                profiler.enable()
+                step()
+                profiler.disable()
+            else:
+                step()
+            st = cache.stats
+            if mode == "synced":
+                SYNC()
+                wall = time.perf_counter() - t0
+            else:  # queued: this step's cost is the time from the last step's end to this one's
+                end = torch.cuda.Event()
+                end.record()
+                if done is not None:
+                    done.synchronize()
+                now = time.perf_counter()
+                wall, last, done = now - last, now, end
+            rows.append({"mode": mode, "step": i, "length": cache.length, "streamed_pages": st.streamed_pages,
+                         "rounds": st.rounds, "captured": graphed.captures - before,
+                         "updated": graphed.updates - updates, "plan_change": st.plan_change, "plan_s": st.plan_s,
+                         "wall_s": wall, **{p: clock.t.get(p, 0.0) for p in PARTS}})
         SYNC()
-        wall = time.perf_counter() - t0
-        rows.append({"step": i, "length": cache.length, "streamed_pages": cache.stats.streamed_pages,
-                     "rounds": cache.stats.rounds, "captured": graphed.captures - before,
-                     "wall_s": wall, **{p: clock.t.get(p, 0.0) for p in PARTS}})
+    df = pd.DataFrame(rows)
+    # ahead, step i's interval ends with step i - 1's end: shift so a row's wall is its own step's
+    ahead = df["mode"] == "ahead"
+    df.loc[ahead, "wall_s"] = df.loc[ahead, "wall_s"].shift(-1)
+    print(f"{graphed.captures} captures, {graphed.updates} updates in all")
     graphed.graphs.clear()  # the graphs' buffers are in the cache's slab: they go before it
-    return pd.DataFrame(rows)
+    return df.dropna(subset=["wall_s"])
 
 
 def report(df: pd.DataFrame, label: str) -> None:
-    steady, changed = df[df.captured == 0], df[df.captured > 0]
-    base = steady.wall_s.median()
-    print(f"{label}: steady step {1e3 * base:.2f} ms (median of {len(steady)}), {len(changed)} plan changes, "
-          f"excess median {1e3 * (changed.wall_s.median() - base):.2f} ms")
-    for _, r in changed.iterrows():
-        parts = {p: r[p] for p in PARTS}
-        within = [p for p in PARTS if p != "plan"]  # the plan is timed inside begin
-        other = r.wall_s - base - sum(parts[p] for p in within) + steady[within].median().sum()
-        print(f"  at {int(r.length)} ({int(r.streamed_pages)} streamed, {int(r.rounds)} rounds): step "
-              f"{1e3 * r.wall_s:.2f} ms, excess {1e3 * (r.wall_s - base):.2f} = "
-              + ", ".join(f"{p} {1e3 * v:.2f}" for p, v in parts.items() if v > 1e-4) + f", rest {1e3 * other:.2f}")
+    for mode, d in df.groupby("mode", sort=False):
+        changed = d.plan_change.isin(["capture", "update"]) & (d.step > 0)
+        steady, change = d[~changed & (d.plan_change == "")], d[changed]
+        base = steady.wall_s.median()
+        print(f"{label}, {mode}: steady step {1e3 * base:.2f} ms (median of {len(steady)}), {len(change)} plan "
+              f"changes ({int(change.captured.sum())} captured), their step {1e3 * change.wall_s.median():.2f} ms "
+              f"= {change.wall_s.median() / base:.2f}x steady")
+        for _, r in change.iterrows():
+            parts = {p: r[p] for p in PARTS}
+            print(f"  at {int(r.length)} ({int(r.streamed_pages)} streamed, {int(r.rounds)} rounds, {r.plan_change}): "
+                  f"step {1e3 * r.wall_s:.2f} ms = {r.wall_s / base:.2f}x, "
+                  + ", ".join(f"{p} {1e3 * v:.2f}" for p, v in parts.items() if v > 1e-4))
 
 
 def main(argv=None) -> None:
@@ -172,8 +202,9 @@ def main(argv=None) -> None:
         df.assign(model=args.model, command=" ".join(["python -m experiments.bench_capture", *sys.argv[1:]]),
                   **provenance()).to_csv(name, index=False)
         report(df, f"context {args.context}, width {args.width}, residency step {step}")
-        print(f"{len(df)} steps in {df.wall_s.sum():.3f} s ({df.wall_s.mean() * 1e3:.2f} ms per step, "
-              f"{(df.captured > 0).sum()} captures)")
+        for mode, d in df.groupby("mode", sort=False):
+            print(f"{mode}: {len(d)} steps in {d.wall_s.sum():.3f} s ({d.wall_s.mean() * 1e3:.2f} ms per step, "
+                  f"{int(d.captured.sum())} captures, {int(d.updated.sum())} updates)")
         print(f"wrote {name}")
     name = name.with_name(name.name.replace(tag, ""))  # the profile covers every step's decode
     if profiler is not None:

@@ -20,6 +20,10 @@ class StepStats:
     # or on CUDA not read yet, while ``clock`` is set: ``wait_s`` reads it
     wait_ns: int | None = 0
     clock: object = field(default=None, repr=False, compare=False)
+    # a new streaming plan in this pass: "plan" (made; eager), "update" (a captured step's copies
+    # re-pointed), "capture" (a step captured); plan_s: the host seconds it took
+    plan_change: str = ""
+    plan_s: float = 0.0
 
     @property
     def wait_s(self) -> float | None:
@@ -49,6 +53,8 @@ class StepRecord:
     draft_active: bool = False  # a draft model is pinned (not ejected) during the step
     speculator: str = ""  # the chain's winner, if any
     plain_measure: bool = False  # a plain step measuring the ejected state, the draft pinned (MEASURE_PLAIN)
+    plan_change: str = ""  # StepStats.plan_change of the target pass
+    plan_s: float = 0.0  # its host seconds
     stats: StepStats | None = field(default=None, repr=False, compare=False)  # the target pass's: its wait
 
     @classmethod
@@ -59,7 +65,8 @@ class StepRecord:
         s = stats or cache.stats
         n = cache.length if context is None else context
         return cls(step, n, -(-n // PAGE_TOKENS), s.resident_pages, s.streamed_pages, s.rounds,
-                   s.h2d_bytes, s.d2h_bytes, new_tokens, step_s, stats=s, **spec)
+                   s.h2d_bytes, s.d2h_bytes, new_tokens, step_s, plan_change=s.plan_change, plan_s=s.plan_s,
+                   stats=s, **spec)
 
     @property
     def wait_s(self) -> float | None:

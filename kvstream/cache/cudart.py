@@ -1,9 +1,11 @@
-"""``cudaMemcpy2DAsync``, ``cudaMalloc`` and ``cudaFree`` from the CUDA runtime torch has
-loaded (through ctypes).
+"""``cudaMemcpy2DAsync``, ``cudaMalloc`` / ``cudaFree`` and the graph calls that read and set a
+captured graph's memcpy nodes, from the CUDA runtime torch has loaded (through ctypes).
 
 torch copies into a strided pinned host view (one page of every layer of the host store)
 through a pageable temporary and a host sync; one 2-D copy is asynchronous: the decode step's
-write-back then overlaps the next step instead of stalling the host for the whole step.
+write-back then overlaps the next step instead of stalling the host for the whole step. The
+graph calls let a captured decode step copy other host rows (a new streaming plan) without a
+new capture (``kvstream.engine.graph_copies``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,34 @@ import os
 import torch
 
 _DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+_MEMCPY_NODE = 1  # cudaGraphNodeTypeMemcpy
+
+
+class _Pos(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_size_t), ("y", ctypes.c_size_t), ("z", ctypes.c_size_t)]
+
+
+class _PitchedPtr(ctypes.Structure):
+    _fields_ = [("ptr", ctypes.c_void_p), ("pitch", ctypes.c_size_t), ("xsize", ctypes.c_size_t),
+                ("ysize", ctypes.c_size_t)]
+
+
+class Memcpy3D(ctypes.Structure):
+    """``cudaMemcpy3DParms``: what a memcpy node copies."""
+    _fields_ = [("srcArray", ctypes.c_void_p), ("srcPos", _Pos), ("srcPtr", _PitchedPtr),
+                ("dstArray", ctypes.c_void_p), ("dstPos", _Pos), ("dstPtr", _PitchedPtr),
+                ("extent", _Pos), ("kind", ctypes.c_int)]
+
+    def rows(self) -> tuple[int, int, int, int, int, int]:
+        """(dst, dst pitch, src, src pitch, width, rows): the 2-D copy it is."""
+        return (self.dstPtr.ptr or 0, self.dstPtr.pitch, self.srcPtr.ptr or 0, self.srcPtr.pitch,
+                self.extent.x, self.extent.y)
+
+
+def rows_of(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """``Memcpy3D.rows`` of the copy ``copy_rows(dst, src)`` issues."""
+    rows, width = src.shape
+    return dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), width, rows
 
 
 @functools.cache
@@ -31,6 +61,15 @@ def _runtime() -> ctypes.CDLL:
             fn.restype = ctypes.c_int
             lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
             lib.cudaFree.argtypes = [ctypes.c_void_p]
+            p = ctypes.c_void_p
+            lib.cudaGraphGetNodes.argtypes = [p, p, ctypes.POINTER(ctypes.c_size_t)]
+            lib.cudaGraphNodeGetType.argtypes = [p, ctypes.POINTER(ctypes.c_int)]
+            lib.cudaGraphMemcpyNodeGetParams.argtypes = [p, ctypes.POINTER(Memcpy3D)]
+            lib.cudaGraphMemcpyNodeSetParams.argtypes = [p, ctypes.POINTER(Memcpy3D)]
+            lib.cudaGraphExecMemcpyNodeSetParams.argtypes = [p, p, ctypes.POINTER(Memcpy3D)]
+            lib.cudaGraphExecUpdate.argtypes = [p, p, p]
+            lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+            lib.cudaGetErrorString.restype = ctypes.c_char_p
             return lib
     raise RuntimeError(f"libcudart is not among this process's mapped libraries (torch {torch.__version__}); "
                        f"cannot issue 2-D copies")
@@ -62,3 +101,49 @@ def device_malloc(nbytes: int) -> int:
 
 def device_free(ptr: int) -> None:
     _runtime().cudaFree(ctypes.c_void_p(ptr))
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        raise RuntimeError(f"{what} failed with CUDA error {err} "
+                           f"({_runtime().cudaGetErrorString(err).decode()})")
+
+
+def memcpy_nodes(graph: int) -> list[tuple[int, Memcpy3D]]:
+    """(node, its parameters) of every memcpy node of a captured ``cudaGraph_t``."""
+    rt, n = _runtime(), ctypes.c_size_t(0)
+    _check(rt.cudaGraphGetNodes(graph, None, ctypes.byref(n)), "cudaGraphGetNodes")
+    nodes = (ctypes.c_void_p * n.value)()
+    _check(rt.cudaGraphGetNodes(graph, nodes, ctypes.byref(n)), "cudaGraphGetNodes")
+    out, kind = [], ctypes.c_int()
+    for node in nodes:
+        _check(rt.cudaGraphNodeGetType(node, ctypes.byref(kind)), "cudaGraphNodeGetType")
+        if kind.value == _MEMCPY_NODE:
+            params = Memcpy3D()
+            _check(rt.cudaGraphMemcpyNodeGetParams(node, ctypes.byref(params)), "cudaGraphMemcpyNodeGetParams")
+            out.append((node, params))
+    return out
+
+
+def retarget(params: Memcpy3D, rows: tuple[int, int, int, int, int, int]) -> None:
+    """Point ``params`` at another 2-D copy (``rows_of``'s tuple), in place."""
+    params.dstPtr.ptr, params.dstPtr.pitch, params.srcPtr.ptr, params.srcPtr.pitch, width, height = rows
+    params.extent.x, params.extent.y = width, height
+    params.srcPtr.xsize = params.dstPtr.xsize = width
+    params.srcPtr.ysize = params.dstPtr.ysize = height
+
+
+def set_exec_memcpy(graph_exec: int, node: int, params: Memcpy3D) -> int:
+    """The instantiated graph's copy at ``node`` becomes ``params`` (0, or the CUDA error)."""
+    return _runtime().cudaGraphExecMemcpyNodeSetParams(graph_exec, node, ctypes.byref(params))
+
+
+def set_graph_memcpy(node: int, params: Memcpy3D) -> None:
+    """The graph's (not yet its instance's) copy at ``node`` becomes ``params``."""
+    _check(_runtime().cudaGraphMemcpyNodeSetParams(node, ctypes.byref(params)), "cudaGraphMemcpyNodeSetParams")
+
+
+def update_exec(graph_exec: int, graph: int) -> None:
+    """Bring the instance up to its graph's node parameters (``cudaGraphExecUpdate``)."""
+    info = (ctypes.c_void_p * 4)()  # cudaGraphExecUpdateResultInfo: an enum and two nodes
+    _check(_runtime().cudaGraphExecUpdate(graph_exec, graph, info), "cudaGraphExecUpdate")

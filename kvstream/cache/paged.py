@@ -21,6 +21,8 @@ decode steps read in ``paged_staging``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kernels.decode_attention import MAX_N_Q
@@ -79,6 +81,8 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         self._init_step_buffers(n_layers)
         self._layout_version = self._plan_version = 0
         self._plan_sig = None  # the streamed pages' rounds (and grouping) that the round keys are for
+        # every round's key range as device scalars (CUDA), rewritten in place by each plan
+        self._keys = torch.zeros(2 * (self.max_pages + 1), dtype=torch.int64, device=self.device)
         self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
         self._primed = None  # the plan_key (layout and plan) whose first round ring half 0 holds, copied by the last step's end
         # CUDA: the compute buffers of the phase's passes, and (both_slabs) of the decode-width ones
@@ -115,7 +119,10 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         self.clock.open_pass()  # past the gates: a pass that is refused does not open
         touched = range(first, n_pages)
         if n_pages != self._n_pages or any(p not in self.slot for p in touched):
+            t0, version = time.perf_counter(), self._plan_version
             self._plan(n_pages, upload_below=-(-self.length // PAGE_TOKENS), writing=touched)
+            if self._plan_version != version:
+                self.stats.plan_change, self.stats.plan_s = "plan", time.perf_counter() - t0
         self._n = n
         if n <= MAX_N_Q:  # decode widths: computed on the host, one copy into the static buffers
             pos, slots = self._stage_step(n)
@@ -130,13 +137,13 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
             self.copier.reset()  # after the last step's readers of half 0
             self._prefetch(0, 0)
             self.copier.wait(0)  # eager, before any captured step: the step itself never waits for it
-            self.stats.h2d_bytes += len(self.rounds[0][2]) * self.group * self.layout.pair  # its first group
+            self.stats.h2d_bytes += sum(src.numel() for _, src, _ in self.ring_copies(0, 0))  # its first group
         self._primed = None  # known again once this step has run (commit): one failing midway leaves it unknown
         # the length as the kernels read it: a device scalar on CUDA (no per-layer fill)
         self.seq_len = self._len if self.ops.triton else self.length + n
         s = self.rounds
         self.stats.streamed_pages = sum(len(r[2]) for r in s)
-        self.stats.h2d_bytes += self.stats.streamed_pages * self.n_layers * self.layout.pair  # this step's ring copies
+        self.stats.h2d_bytes += self._ring_bytes  # this step's ring copies
         self.stats.resident_pages = n_pages - self.stats.streamed_pages
         self.stats.rounds = len(s)
         return self.pos

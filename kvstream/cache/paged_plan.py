@@ -71,27 +71,29 @@ class ResidencyPlan:
         self.rounds.append((start, n_pages, streamed))
         streamed = len(self.rounds[0][2])
         self.group = group_size(self.n_layers, half // streamed) if len(self.rounds) == 1 and streamed else 1
-        # a captured step depends on the plan only through its copies, round keys and split counts:
-        # all set by the streamed pages (and their grouping). The last round runs to the sequence's
-        # end, its splits sized to the table's, so a new page that leaves the streamed pages as they
-        # were (nothing streamed, or a residency step) keeps the graphs, in one round or several
+        # a captured step reads the plan through its copies (re-pointed in place), the round keys
+        # (written in place) and the page tables (read in place); the last round runs to the
+        # sequence's end, its splits sized to the table's. A new page that leaves the streamed
+        # pages as they were (nothing streamed, or a residency step) changes none of them
         sig = (tuple((a, tuple(pages)) for a, _, pages in self.rounds), self.group)
         if sig != self._plan_sig:
             keys = [(a * PAGE_TOKENS, b * PAGE_TOKENS if i < len(self.rounds) - 1 else None)
                     for i, (a, b, _) in enumerate(self.rounds)]
-            if self.ops.triton:  # as device scalars, made once per plan rather than per layer and round
-                flat = torch.tensor([k if k is not None else 0 for ab in keys for k in ab], device=self.device)
-                keys = [(flat[2 * i:2 * i + 1], None if e is None else flat[2 * i + 1:2 * i + 2])
+            if self.ops.triton:  # device scalars, written in place: captured steps read round i's at one address
+                self._keys[:2 * len(keys)].copy_(torch.tensor([k if k is not None else 0 for ab in keys for k in ab]))
+                keys = [(self._keys[2 * i:2 * i + 1], None if e is None else self._keys[2 * i + 1:2 * i + 2])
                         for i, (_, e) in enumerate(keys)]
-            self.round_keys = keys  # kept with the plan: its captured steps read these tensors
+            self.round_keys = keys
+            self._ring_bytes = sum(src.numel() for layer in range(0, self.n_layers, self.group)
+                                   for r in range(len(self.rounds)) for _, src, _ in self.ring_copies(layer, r))
             self._plan_sig = sig
-            self._plan_version += 1  # new key tensors: a plan that comes back (A, B, A) is new to the graphs
+            self._plan_version += 1  # other copies: a captured step re-points its copy nodes
         # the page tables, a column per page for all layers at once (per-element writes from
         # Python took 5-20 ms per plan at 28 layers x 128 pages: results/capture)
         layers = torch.arange(self.n_layers, dtype=torch.int32)[:, None]  # _half and _pool_slot take it whole
         for r, (_, _, pages) in enumerate(self.rounds):
             if pages:
-                base = self._half(layers, r) * half + (layers % self.group) * len(pages)  # a group's layers side by side
+                base = self._half(layers, r) * half + (layers % self.group) * self._pitch(r)  # a group's layers side by side
                 self.tables_host[:, pages] = base + torch.arange(len(pages), dtype=torch.int32)
         if self.slot:
             pages, slots = zip(*self.slot.items())

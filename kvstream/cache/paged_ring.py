@@ -6,14 +6,20 @@ into the ring half its previous reader has released; the next round's copy is is
 as the current one has been read, into the other half. When a layer's streamed pages fill at
 most half a ring half, a *group* of layers shares one copy (a row per layer): every copy has a
 fixed cost of a few microseconds, which small sets otherwise spend more time on than on their
-bytes (``experiments/bench_copies.py``). A decode step that streams its first round copies the
-next step's first round (of its first group) at its end, under its last group and the LM head,
-so copy-bound steps keep the copy engine busy from one step into the next; ``begin`` copies it
-again when the plan changed in between."""
+bytes (``experiments/bench_copies.py``). A grouped copy moves as many pages per layer as the
+half holds for that group (``half // group``, at least the streamed ones): its shape then
+depends on the group alone, not on the streamed count, so a captured step keeps it while pages
+open (a graph's 2-D copy cannot be re-pointed; its 1-D ones can: ``kvstream.engine.graph_copies``).
+A decode step that streams its first round copies the next step's first round (of its first
+group) at its end, under its last group and the LM head, so copy-bound steps keep the copy
+engine busy from one step into the next; ``begin`` copies it again when the plan changed in
+between."""
 
 from __future__ import annotations
 
 import torch
+
+from kvstream.cache.cudart import rows_of
 
 
 def group_size(n_layers: int, fit: int) -> int:
@@ -58,21 +64,61 @@ class RingStreaming:
         if self._wrap:
             self.copier.wait(0)
 
+    def _pitch(self, r: int) -> int:
+        """Ring slots between two layers' pages in a round's ring half: the streamed pages, or
+        for a group's one run ``half // group`` (the pages past the streamed ones are resident,
+        their ring copy unread), so a grouped copy keeps its shape while pages open."""
+        pages, half = self.rounds[r][2], max(1, self.ring_pages // 2)
+        if self.group > 1 and len(copy_runs(pages)) == 1 and pages[0] + half // self.group <= self.max_pages:
+            return half // self.group
+        return len(pages)
+
     def ring_copies(self, layer: int, r: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
         """(ring rows, host rows, ring half) of round ``r`` of the layer group that starts at
         ``layer``: per run of streamed pages, one 2-D copy for K and one for V, a row per layer."""
         pages = self.rounds[r][2]
         if not pages:
             return []
-        h, half, S = self._half(layer, r), max(1, self.ring_pages // 2), len(pages)
+        h, half, S = self._half(layer, r), max(1, self.ring_pages // 2), self._pitch(r)
         n, out, i = min(self.group, self.n_layers - layer), [], 0
-        for p, m in copy_runs(pages):
+        runs = copy_runs(pages) if S == len(pages) else [(pages[0], S)]
+        for p, m in runs:
             for ring, host in ((self.kspace, self.host.k), (self.vspace, self.host.v)):
                 rows = ring[h * half + i:h * half + (n - 1) * S + i + m]  # layer j's run at row j * S
                 dst = rows.as_strided((n, m * ring.shape[1]), (S * ring.shape[1], 1), rows.storage_offset())
                 out.append((dst, host[layer:layer + n, p:p + m].flatten(1), h))
             i += m
         return out
+
+    def copy_order(self) -> list[tuple[int, int]]:
+        """(group's first layer, round) of every ring copy a decode step issues, in issue order:
+        ``start_step``'s, then ``_next_copy``'s after each group's first layer reads a round."""
+        seq = [] if self._wrap else [(0, 0)]
+        for layer in range(0, self.n_layers, self.group):
+            for r in range(len(self.rounds)):
+                nxt = (layer, r + 1) if r + 1 < len(self.rounds) else (layer + self.group, 0)
+                if nxt[0] < self.n_layers or self._wrap:
+                    seq.append(nxt if nxt[0] < self.n_layers else (0, 0))
+        return seq
+
+    def step_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(ring rows, host rows) of every copy a decode step of the current plan issues, in
+        issue order (a captured step's memcpy nodes, ``kvstream.engine.graph_copies``)."""
+        return [(dst, src) for lr in self.copy_order() for dst, src, _ in self.ring_copies(*lr)]
+
+    def step_plan(self) -> tuple[tuple, list[tuple[int, ...]]]:
+        """(shape, copies) of a decode step of the current plan (after ``begin``), made once per
+        plan. ``copies``: every copy's ``rows_of`` tuple in issue order. ``shape``: what a captured
+        step cannot change in place: the rounds and which of them stream, the grouping and the
+        wrap (its kernels, waits and ring halves), the number of copies, and each 2-D copy whole
+        (a graph's 2-D copy cannot be re-pointed, its 1-D ones can)."""
+        key = self.plan_key() + (self._wrap,)
+        if getattr(self, "_step_plan", (None,))[0] != key:
+            copies = [rows_of(dst, src) for dst, src in self.step_copies()]
+            shape = (tuple(bool(pages) for _, _, pages in self.rounds), self.group, self._wrap,
+                     tuple(c if c[-1] > 1 else None for c in copies))
+            self._step_plan = (key, shape, copies)
+        return self._step_plan[1:]
 
     def _prefetch(self, layer: int, r: int) -> None:
         if layer >= self.n_layers:

@@ -48,7 +48,11 @@ class StepStaging:
             self._staged[i].record()
         return self._pos[:n], self._slots[:, :n]
 
-    def plan_key(self) -> tuple:
-        """What a captured step depends on besides the static buffers: layout, plan and whether
+    def layout_key(self) -> tuple:
+        """What every captured step depends on: the layout (its tensors' addresses) and whether
         the waits are stamped (a graph keeps the stamps it was captured with)."""
-        return (self._layout_version, self._plan_version, self.clock.enabled)
+        return (self._layout_version, self.clock.enabled)
+
+    def plan_key(self) -> tuple:
+        """``layout_key`` and the plan: which rows the ring copies move, and the round keys."""
+        return self.layout_key() + (self._plan_version,)

@@ -1,47 +1,63 @@
-"""Decode steps as captured CUDA graphs: one capture per (width, logits kind, cache plan),
-replayed while the plan holds (DESIGN.md: static shapes, grids from shapes, lengths in device
-tensors). The host part of a step (``cache.begin``: checks, residency plan, positions and
-slots written in place into the cache's static buffers; after a plan change, the copy of the
-first streamed round, which a step otherwise finds made by the step before) and of its end
-(``cache.commit``: the written pages back to the host store) run eagerly around the replay;
-everything between, streaming copies included, is the graph. A plan that streams pages gets
-new graphs when its streamed pages change (every page, or every ``cache.residency_step``
-pages), in one round or several; a resident plan keeps them (the page table is read in place);
-a re-layout (phase switch, draft eject / re-enable) drops them. A pinned draft's own graphs
-survive its eject and re-enable, which put its weights and KV back at the same addresses
-(``DraftModel.pin``, ``PagedCache.move_to``).
+"""Decode steps as captured CUDA graphs: one capture per (width, logits kind, step shape), kept
+for the cache's layout; a new streaming plan of the same shape re-points the captured copies in
+place (``graph_copies``) instead of capturing again (DESIGN.md: static shapes, grids from
+shapes, lengths in device tensors). The host part of a step (``cache.begin``: checks, residency
+plan, positions and slots written in place into the cache's static buffers; after a plan
+change, the copy of the first streamed round, which a step otherwise finds made by the step
+before) and of its end (``cache.commit``: the written pages back to the host store) run
+eagerly around the replay; everything between, streaming copies included, is the graph.
+
+A step reads the plan through device tensors written in place (page tables, round keys,
+positions, slots, the length) and through its copies' node parameters; its shape
+(``PagedCache.step_plan``: rounds, grouping, the copies' count and the 2-D ones) is what a
+capture fixes, so a decode captures once per width and shape: a page opening that keeps the
+shape costs an update of its copy nodes. A re-layout (phase switch, draft eject / re-enable)
+drops the graphs. A pinned draft's own graphs survive its eject and re-enable, which put its
+weights and KV back at the same addresses (``DraftModel.pin``, ``PagedCache.move_to``).
 
 Eager and graphed steps run the same kernels on the same bytes in the same order, so their
 logits are bit-identical: tested on the H200 (tests/test_cuda.py) up to 1K tokens, after a
-32000-token prompt, and around draft ejects / re-enables.
+32000-token prompt, across page openings, and around draft ejects / re-enables.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from kernels.decode_attention import MAX_N_Q
 from kvstream.cache.streams import side_stream
+from kvstream.engine.graph_copies import CopyNodes, Unbound
+
+
+@dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    out: torch.Tensor  # the output buffer every replay rewrites
+    copies: CopyNodes | None  # None: no copies, or they could not be bound (a plan change re-captures)
+    plan: tuple  # the cache's plan_key its copies point at
 
 
 class GraphedModel:
-    """Calls like the model (``graphed(tokens, cache, all_logits)``); decode widths replay graphs."""
+    """Calls like the model (``graphed(tokens, cache, all_logits)``); decode widths replay graphs.
+    ``captures`` and ``updates`` count captures and plan changes served in place."""
 
     def __init__(self, model, max_width: int = MAX_N_Q):
         if model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {model.device}")
         self.model = model
         self.tokens = torch.zeros(max_width, dtype=torch.long, device=model.device)
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()  # for caches without a slab
         # warm-ups and captures run on one side stream, so a slab's segments serve both
         self.stream = side_stream(model.device)
-        self.plan = None
+        self.layout = None
         self._cache = lambda: None  # a weak reference to the cache the graphs were captured with
-        self.captures = 0
+        self.captures = self.updates = 0
 
     def __getattr__(self, name):  # cfg, device, dtype, ...: the model's
         return getattr(self.model, name)
@@ -53,37 +69,60 @@ class GraphedModel:
             # caches without static buffers
             return self.model(tokens, cache, all_logits)
         pos = cache.begin(n)
-        plan = cache.plan_key()
-        # a new plan or another cache (not by id(): a new cache may reuse a freed one's id, and
+        # a new layout or another cache (not by id(): a new cache may reuse a freed one's id, and
         # replaying graphs captured on freed buffers is an illegal access): the old graphs are done
-        if plan != self.plan or self._cache() is not cache:
+        if cache.layout_key() != self.layout or self._cache() is not cache:
             if self.graphs:  # freeing every graph of a pool frees the pool: captures need a new one
                 self.graphs.clear()
                 self.pool = torch.cuda.graph_pool_handle()
-            self.plan, self._cache = plan, weakref.ref(cache)
-        key = (n, all_logits)
+            self.layout, self._cache = cache.layout_key(), weakref.ref(cache)
+        shape, rows = cache.step_plan()
+        key, plan = (n, all_logits, shape), cache.plan_key()
         self.tokens[:n].copy_(tokens)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(n, pos, cache, all_logits)
-        graph, out = self.graphs[key]
-        graph.replay()
+        entry = self.graphs.get(key)
+        if entry is not None and entry.plan != plan:
+            t0 = time.perf_counter()
+            try:
+                if entry.copies is None:
+                    raise Unbound("its copies are not bound")
+                entry.copies.update(rows)
+                entry.plan = plan
+                self.updates += 1
+                cache.stats.plan_change = "update"
+            except Unbound:
+                del self.graphs[key]
+                entry = None
+            cache.stats.plan_s += time.perf_counter() - t0
+        if entry is None:
+            t0 = time.perf_counter()
+            entry = self.graphs[key] = self._capture(n, pos, cache, all_logits, rows, plan)
+            cache.stats.plan_change = "capture"
+            cache.stats.plan_s += time.perf_counter() - t0
+        entry.graph.replay()
         cache.commit()
-        return out.clone()  # the graph's output buffer is rewritten by the next replay
+        return entry.out.clone()  # the graph's output buffer is rewritten by the next replay
 
-    def _capture(self, n, pos, cache, all_logits):
+    def _capture(self, n, pos, cache, all_logits, rows, plan) -> Captured:
         body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits)
         side, slab = self.stream, cache.slab_pool
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), cache.compute():  # warm-up outside the capture (Triton compiles, allocator)
             body()  # rewrites the same rows the replay writes: idempotent
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes stay readable: the copies are re-pointed
         # with a slab, the captured step's buffers are the slab's (its out-of-memory errors too)
         with slab.scope(route=False) if slab is not None else contextlib.nullcontext():
             with torch.cuda.graph(graph, pool=self.pool if slab is None else slab.id, stream=side):
                 out = body()
+        graph.instantiate()
         self.captures += 1
-        return graph, out
+        copies = None
+        if rows:
+            try:
+                copies = CopyNodes(graph, rows)
+            except (Unbound, AttributeError):  # AttributeError: a torch without raw_cuda_graph_exec
+                pass
+        return Captured(graph, out, copies, plan)
 
 
 def warm_widths(step, cache, widths) -> None:
