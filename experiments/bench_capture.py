@@ -13,8 +13,8 @@ device synchronised after each step, so a step's host and device parts add up) t
 plan change runs (the functions are wrapped, so the times are the real calls'): ``cache.begin``
 (with the residency plan and the eager first-round copy), a capture's warm-up body, entry,
 captured body and instantiation, the copy-node update, and the rest; and ``ahead`` (the host
-queues each step before waiting for the one before, as ``generate`` does), where a step's cost
-is the interval between two steps' ends. Writes ``<out>/capture_<model>_<context>_w<width>.csv``
+queues each step before waiting for the one before, as ``generate`` does), where a row's time
+runs from one step's launch and wait to the next's: what a step costs a decode that runs ahead. Writes ``<out>/capture_<model>_<context>_w<width>.csv``
 (one row per step and mode, with the model, the command, the commit, the GPU and the versions)
 and prints the steady step, each plan-change step and its excess by part; ``--profile`` adds a
 cProfile of the plan-change steps.
@@ -136,7 +136,9 @@ def measure(model, clock: Clock, context: int, width: int, pages: int, resident:
             if mode == "synced":
                 SYNC()
                 wall = time.perf_counter() - t0
-            else:  # queued: this step's cost is the time from the last step's end to this one's
+            else:  # queued: from the last row's wait to this one's (step i launched, step i - 1 seen done):
+                # the device's step time while the host keeps ahead; more where step i's host part
+                # (a plan change) outlasts step i - 1 on the device
                 end = torch.cuda.Event()
                 end.record()
                 if done is not None:
@@ -148,13 +150,9 @@ def measure(model, clock: Clock, context: int, width: int, pages: int, resident:
                          "updated": graphed.updates - updates, "plan_change": st.plan_change, "plan_s": st.plan_s,
                          "wall_s": wall, **{p: clock.t.get(p, 0.0) for p in PARTS}})
         SYNC()
-    df = pd.DataFrame(rows)
-    # ahead, step i's interval ends with step i - 1's end: shift so a row's wall is its own step's
-    ahead = df["mode"] == "ahead"
-    df.loc[ahead, "wall_s"] = df.loc[ahead, "wall_s"].shift(-1)
     print(f"{graphed.captures} captures, {graphed.updates} updates in all")
     graphed.graphs.clear()  # the graphs' buffers are in the cache's slab: they go before it
-    return df.dropna(subset=["wall_s"])
+    return pd.DataFrame(rows)
 
 
 def report(df: pd.DataFrame, label: str) -> None:

@@ -82,6 +82,8 @@ def test_step_copies_are_the_copies_a_step_issues_and_group_copies_keep_the_logi
 
     def check(_):
         assert issued == seen[-1][-1]
+        if len(seen) > 1 and seen[-1][0] == seen[-2][0]:  # (a new plan's first round is copied again by begin)
+            assert cache.stats.h2d_bytes == sum(c[4] * c[5] for c in issued)  # the step's copies counted
 
     cache.begin, cache.copier.copy = tracked_begin, tracked_copy
     got = decode(model, cache, tokens, check)

@@ -42,8 +42,11 @@ class Memcpy3D(ctypes.Structure):
 
 
 def rows_of(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int, int, int]:
-    """``Memcpy3D.rows`` of the copy ``copy_rows(dst, src)`` issues."""
+    """``Memcpy3D.rows`` of the copy ``copy_rows(dst, src)`` issues (one row: pitches = width,
+    whatever strides the views have)."""
     rows, width = src.shape
+    if rows == 1:
+        return dst.data_ptr(), width, src.data_ptr(), width, width, 1
     return dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), width, rows
 
 
@@ -83,9 +86,8 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
                          f"and {tuple(src.shape)} {src.dtype}")
     if dst.stride(1) != 1 or src.stride(1) != 1:
         raise ValueError(f"copy_rows needs contiguous rows, got strides {dst.stride()} and {src.stride()}")
-    rows, width = src.shape
-    err = _runtime().cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), width, rows,
-                                       _DEFAULT, stream.cuda_stream)
+    d, dpitch, s, spitch, width, rows = rows_of(dst, src)
+    err = _runtime().cudaMemcpy2DAsync(d, dpitch, s, spitch, width, rows, _DEFAULT, stream.cuda_stream)
     if err:
         raise RuntimeError(f"cudaMemcpy2DAsync of {rows} rows x {width} bytes failed with CUDA error {err}")
 

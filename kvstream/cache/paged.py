@@ -37,7 +37,7 @@ from kvstream.cache.kv_ops import KVOps
 from kvstream.cache.paged_layout import ArenaLayout
 from kvstream.cache.paged_plan import ResidencyPlan
 from kvstream.cache.paged_ring import RingStreaming
-from kvstream.cache.paged_staging import StepStaging
+from kvstream.cache.paged_staging import PinnedUpload, StepStaging
 from kvstream.cache.slab_pool import SlabPool
 from kvstream.cache.wait_clock import WaitClock
 from kvstream.telemetry import StepStats
@@ -83,6 +83,7 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         self._plan_sig = None  # the streamed pages' rounds (and grouping) that the round keys are for
         # every round's key range as device scalars (CUDA), rewritten in place by each plan
         self._keys = torch.zeros(2 * (self.max_pages + 1), dtype=torch.int64, device=self.device)
+        self._keys_upload = PinnedUpload(self._keys)
         self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
         self._primed = None  # the plan_key (layout and plan) whose first round ring half 0 holds, copied by the last step's end
         # CUDA: the compute buffers of the phase's passes, and (both_slabs) of the decode-width ones

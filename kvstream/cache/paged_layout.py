@@ -10,6 +10,7 @@ from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS
 
 from kvstream.cache.arena import Arena, ArenaPlan, ArenaTooSmall, Layout, both_slabs_bytes
+from kvstream.cache.paged_staging import PinnedUpload
 from kvstream.cache.slab_pool import SlabPool
 
 # an automatic ring's halves grow up to this much into bytes no resident page can use: on the
@@ -124,6 +125,7 @@ class ArenaLayout:
         self.slot: dict[int, int] = {}  # resident logical page -> index in [0, capacity)
         self.tables_host = torch.zeros((self.n_layers, self.max_pages), dtype=torch.int32)
         self.tables = torch.zeros_like(self.tables_host, device=self.device)
+        self._tables_upload = PinnedUpload(self.tables)
         self._layout_version += 1
         self.rounds: list[tuple[int, int, list[int]]] = []  # (first page, end page, streamed pages)
         self._n_pages = 0

@@ -80,12 +80,14 @@ class ResidencyPlan:
             keys = [(a * PAGE_TOKENS, b * PAGE_TOKENS if i < len(self.rounds) - 1 else None)
                     for i, (a, b, _) in enumerate(self.rounds)]
             if self.ops.triton:  # device scalars, written in place: captured steps read round i's at one address
-                self._keys[:2 * len(keys)].copy_(torch.tensor([k if k is not None else 0 for ab in keys for k in ab]))
+                stage = self._keys_upload.stage()
+                stage[:2 * len(keys)] = torch.tensor([k if k is not None else 0 for ab in keys for k in ab])
+                self._keys_upload.send()
                 keys = [(self._keys[2 * i:2 * i + 1], None if e is None else self._keys[2 * i + 1:2 * i + 2])
                         for i, (_, e) in enumerate(keys)]
             self.round_keys = keys
-            self._ring_bytes = sum(src.numel() for layer in range(0, self.n_layers, self.group)
-                                   for r in range(len(self.rounds)) for _, src, _ in self.ring_copies(layer, r))
+            self._ring_bytes = sum(self.n_layers * self._pitch(r) * self.layout.pair
+                                   for r, (_, _, pages) in enumerate(self.rounds) if pages)
             self._plan_sig = sig
             self._plan_version += 1  # other copies: a captured step re-points its copy nodes
         # the page tables, a column per page for all layers at once (per-element writes from
@@ -98,5 +100,6 @@ class ResidencyPlan:
         if self.slot:
             pages, slots = zip(*self.slot.items())
             self.tables_host[:, list(pages)] = self._pool_slot(layers, torch.tensor(slots, dtype=torch.int32))
-        self.tables.copy_(self.tables_host)
+        self._tables_upload.stage().copy_(self.tables_host)
+        self._tables_upload.send()
         self._n_pages = n_pages

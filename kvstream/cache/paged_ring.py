@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from kvstream.cache.cudart import rows_of
-
 
 def group_size(n_layers: int, fit: int) -> int:
     """Layers per ring copy when a ring half holds ``fit`` layers' streamed pages: the fewest
@@ -73,52 +71,33 @@ class RingStreaming:
             return half // self.group
         return len(pages)
 
-    def ring_copies(self, layer: int, r: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        """(ring rows, host rows, ring half) of round ``r`` of the layer group that starts at
-        ``layer``: per run of streamed pages, one 2-D copy for K and one for V, a row per layer."""
+    def _runs(self, layer: int, r: int) -> list[tuple[int, int, int, int, int, int]]:
+        """(first ring slot, first host page, layers, pages, ring pitch, ring half) of each copy of
+        round ``r`` of the layer group that starts at ``layer`` (K and V alike): one per run of
+        streamed pages, a row per layer, layer j's run at ring row j * pitch."""
         pages = self.rounds[r][2]
         if not pages:
             return []
         h, half, S = self._half(layer, r), max(1, self.ring_pages // 2), self._pitch(r)
         n, out, i = min(self.group, self.n_layers - layer), [], 0
-        runs = copy_runs(pages) if S == len(pages) else [(pages[0], S)]
-        for p, m in runs:
-            for ring, host in ((self.kspace, self.host.k), (self.vspace, self.host.v)):
-                rows = ring[h * half + i:h * half + (n - 1) * S + i + m]  # layer j's run at row j * S
-                dst = rows.as_strided((n, m * ring.shape[1]), (S * ring.shape[1], 1), rows.storage_offset())
-                out.append((dst, host[layer:layer + n, p:p + m].flatten(1), h))
+        for p, m in copy_runs(pages) if S == len(pages) else [(pages[0], S)]:
+            out.append((h * half + i, p, n, m, S, h))
             i += m
         return out
 
-    def copy_order(self) -> list[tuple[int, int]]:
-        """(group's first layer, round) of every ring copy a decode step issues, in issue order:
-        ``start_step``'s, then ``_next_copy``'s after each group's first layer reads a round."""
-        seq = [] if self._wrap else [(0, 0)]
-        for layer in range(0, self.n_layers, self.group):
-            for r in range(len(self.rounds)):
-                nxt = (layer, r + 1) if r + 1 < len(self.rounds) else (layer + self.group, 0)
-                if nxt[0] < self.n_layers or self._wrap:
-                    seq.append(nxt if nxt[0] < self.n_layers else (0, 0))
-        return seq
+    def _sides(self):
+        return (self.kspace, self.host.k), (self.vspace, self.host.v)
 
-    def step_copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(ring rows, host rows) of every copy a decode step of the current plan issues, in
-        issue order (a captured step's memcpy nodes, ``kvstream.engine.graph_copies``)."""
-        return [(dst, src) for lr in self.copy_order() for dst, src, _ in self.ring_copies(*lr)]
-
-    def step_plan(self) -> tuple[tuple, list[tuple[int, ...]]]:
-        """(shape, copies) of a decode step of the current plan (after ``begin``), made once per
-        plan. ``copies``: every copy's ``rows_of`` tuple in issue order. ``shape``: what a captured
-        step cannot change in place: the rounds and which of them stream, the grouping and the
-        wrap (its kernels, waits and ring halves), the number of copies, and each 2-D copy whole
-        (a graph's 2-D copy cannot be re-pointed, its 1-D ones can)."""
-        key = self.plan_key() + (self._wrap,)
-        if getattr(self, "_step_plan", (None,))[0] != key:
-            copies = [rows_of(dst, src) for dst, src in self.step_copies()]
-            shape = (tuple(bool(pages) for _, _, pages in self.rounds), self.group, self._wrap,
-                     tuple(c if c[-1] > 1 else None for c in copies))
-            self._step_plan = (key, shape, copies)
-        return self._step_plan[1:]
+    def ring_copies(self, layer: int, r: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(ring rows, host rows, ring half) of round ``r`` of the layer group that starts at
+        ``layer``: per run of streamed pages, one 2-D copy for K and one for V, a row per layer."""
+        out = []
+        for slot, p, n, m, S, h in self._runs(layer, r):
+            for ring, host in self._sides():
+                rows = ring[slot:slot + (n - 1) * S + m]
+                dst = rows.as_strided((n, m * ring.shape[1]), (S * ring.shape[1], 1), rows.storage_offset())
+                out.append((dst, host[layer:layer + n, p:p + m].flatten(1), h))
+        return out
 
     def _prefetch(self, layer: int, r: int) -> None:
         if layer >= self.n_layers:
@@ -138,3 +117,40 @@ class RingStreaming:
         """The ring was written outside the cache (a benchmark's copies): the next decode step
         copies its first round again."""
         self._primed = None
+    def copy_order(self) -> list[tuple[int, int]]:
+        """(group's first layer, round) of every ring copy a decode step issues, in issue order:
+        ``start_step``'s, then ``_next_copy``'s after each group's first layer reads a round."""
+        seq = [] if self._wrap else [(0, 0)]
+        for layer in range(0, self.n_layers, self.group):
+            for r in range(len(self.rounds)):
+                nxt = (layer, r + 1) if r + 1 < len(self.rounds) else (layer + self.group, 0)
+                if nxt[0] < self.n_layers or self._wrap:
+                    seq.append(nxt if nxt[0] < self.n_layers else (0, 0))
+        return seq
+
+    def step_copies(self) -> list[tuple[int, int, int, int, int, int]]:
+        """Every copy a decode step of the current plan issues, in issue order, as ``rows_of``
+        tuples (a captured step's memcpy nodes, ``kvstream.engine.graph_copies``): from the
+        addresses, without making the views (~10 us each, a hundred per step)."""
+        out = []
+        sides = [(ring.data_ptr(), ring.shape[1], host.data_ptr(), host.shape[1]) for ring, host in self._sides()]
+        for layer, r in self.copy_order():
+            for slot, p, n, m, S, _ in self._runs(layer, r):
+                for ring, pb, host, P in sides:  # (one row: pitches = width, as rows_of says)
+                    dp, sp = (S * pb, P * pb) if n > 1 else (m * pb, m * pb)
+                    out.append((ring + slot * pb, dp, host + (layer * P + p) * pb, sp, m * pb, n))
+        return out
+
+    def step_plan(self) -> tuple[tuple, list[tuple[int, ...]]]:
+        """(shape, copies) of a decode step of the current plan (after ``begin``), made once per
+        plan. ``copies``: ``step_copies``. ``shape``: what a captured step cannot change in place:
+        the rounds and which of them stream, the grouping and the wrap (its kernels, waits and
+        ring halves), the number of copies, and each 2-D copy whole (a graph's 2-D copy cannot be
+        re-pointed, its 1-D ones can)."""
+        key = self.plan_key() + (self._wrap,)
+        if getattr(self, "_step_plan", (None,))[0] != key:
+            copies = self.step_copies()
+            shape = (tuple(bool(pages) for _, _, pages in self.rounds), self.group, self._wrap,
+                     tuple(c if c[-1] > 1 else None for c in copies))
+            self._step_plan = (key, shape, copies)
+        return self._step_plan[1:]

@@ -2,7 +2,9 @@
 
 One device tensor holds a step's positions, every layer's slots and the length, written in
 place by ``begin`` with one host -> device copy from a pinned staging buffer; a captured step
-reads it, so its graph stays valid while positions and slots change."""
+reads it, so its graph stays valid while positions and slots change. The page tables and round
+keys of a new plan reach the device the same way (``PinnedUpload``): a copy from pageable
+memory would make the host wait for the device's queued steps at every page opening."""
 
 from __future__ import annotations
 
@@ -12,9 +14,34 @@ from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS
 
 
+class PinnedUpload:
+    """Host -> device writes of one device tensor that do not make the host wait: the host fills
+    one of two pinned buffers in turn (``stage``), ``send`` queues its copy; an event per buffer
+    says when its copy has read it (long done, in practice, when the buffer comes round again).
+    Off CUDA: one buffer, copied at once."""
+
+    def __init__(self, dst: torch.Tensor):
+        self.dst, self.cuda, self.i = dst, dst.device.type == "cuda", 0
+        self.bufs = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=self.cuda) for _ in range(2 if self.cuda else 1)]
+        self.done = [torch.cuda.Event() for _ in self.bufs] if self.cuda else None
+
+    def stage(self) -> torch.Tensor:
+        """The next host buffer, free to fill."""
+        self.i = (self.i + 1) % len(self.bufs)
+        if self.done:
+            self.done[self.i].synchronize()
+        return self.bufs[self.i]
+
+    def send(self) -> None:
+        """Queue the staged buffer's copy into the device tensor (stream-ordered)."""
+        self.dst.copy_(self.bufs[self.i], non_blocking=self.cuda)
+        if self.done:
+            self.done[self.i].record()
+
+
 class StepStaging:
     """PagedCache's staging part: ``_step`` (device), its views ``_pos`` / ``_slots`` / ``_len``,
-    and two pinned host buffers used in turn."""
+    written through a ``PinnedUpload``."""
 
     def _init_step_buffers(self, n_layers: int) -> None:
         # static step buffers, written in place by begin: a captured step (kvstream.engine.graphs)
@@ -24,28 +51,18 @@ class StepStaging:
         self._step = torch.zeros(w + n_layers * w + 1, dtype=torch.int64, device=self.device)
         self._pos, self._len = self._step[:w], self._step[-1:]
         self._slots = self._step[w:-1].view(n_layers, w)
-        # host staging for it, two buffers in turn: a step writes one while the previous step's
-        # copy may still read the other; an event per buffer says when its copy has read it
-        self._stage = [torch.empty(self._step.shape, dtype=torch.int64, pin_memory=self.copier.cuda) for _ in range(2)]
-        self._staged = [torch.cuda.Event() for _ in range(2)] if self.copier.cuda else None
-        self._n_staged = 0
+        self._step_upload = PinnedUpload(self._step)
 
     def _stage_step(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and slots of a decode step from the host's page tables, written into the
         static buffers by one copy from a pinned staging buffer (no allocation per step)."""
-        w, i = MAX_N_Q, self._n_staged % 2
-        self._n_staged += 1
-        stage = self._stage[i]
-        if self._staged:
-            self._staged[i].synchronize()  # recorded two steps ago: done long since, in practice
+        w, stage = MAX_N_Q, self._step_upload.stage()
         pos = torch.arange(self.length, self.length + n)
         stage[:n] = pos
         stage[w:-1].view(self.n_layers, w)[:, :n] = \
             self.tables_host[:, pos // PAGE_TOKENS].long() * PAGE_TOKENS + pos % PAGE_TOKENS
         stage[-1] = self.length + n
-        self._step.copy_(stage, non_blocking=True)
-        if self._staged:
-            self._staged[i].record()
+        self._step_upload.send()
         return self._pos[:n], self._slots[:, :n]
 
     def layout_key(self) -> tuple:
