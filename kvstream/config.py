@@ -246,6 +246,10 @@ class PolicyConfig:
 @dataclass
 class EngineConfig:
     cuda_graphs: bool = True   # CUDA: decode steps (target and draft) replay captured graphs; false: eager
+    # CUDA, greedy, a draft model alone in the chain: a drafting round runs on the device with one
+    # host sync (n draft steps, the p_min stop a mask, the verify and acceptance); false: the host
+    # reads each draft token and verifies only the drafted ones
+    device_rounds: bool = True
 
 
 @dataclass

@@ -627,3 +627,49 @@ def test_p_min_stops_the_draft_at_the_first_unsure_token(host):
     if cuts:  # a token less sure than all before it: the draft ends just before it
         j = cuts[0]
         assert propose(top[j] + 0.01) == full[:j]
+
+
+@pytest.mark.parametrize("p_min", [0.0, 0.02])
+def test_device_rounds_equal_plain_decoding(model, host, plain, p_min):
+    """Rounds drafted, verified and accepted on the device (one readback each; what CUDA runs):
+    the same tokens as plain decoding, with every round verifying 1 + n tokens and the p_min
+    stop a mask (drafted counts only the unmasked prefix); the draft KV never holds a rejected
+    token. p_min 0.02 masks part of the tiny models' drafts (their top probabilities spread
+    around it)."""
+    cache = target_cache(model, arena_mib(model, host, 2))
+    draft = new_draft(host, p_min=p_min, sampling=GREEDY)
+    control = DraftControl(draft, cache, Never())
+    g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=4,
+                             prefill_chunk=CHUNK, control=control, device_rounds=True)
+    assert g.tokens == plain
+    drafting = [r for r in g.records if r.verify_width > 1]
+    assert drafting and all(r.verify_width == 5 and r.drafted <= 4 and r.accepted <= r.drafted for r in drafting)
+    if p_min:
+        assert any(r.drafted < 4 for r in drafting) and any(r.drafted > 0 for r in drafting)
+    assert draft.fed == (PROMPT + g.tokens)[:len(draft.fed)]
+    assert draft.stats.drafted_tokens == sum(r.drafted for r in g.records)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_device_rounds_with_synthetic_acceptance_match_the_host_rounds(model, host, alpha):
+    """Synthetic acceptance 1 (a perfect draft) keeps every draft token and 0 none, on the
+    device as on the host: the same tokens either way (the timing studies' setting)."""
+    out = []
+    for device_rounds in (False, True):
+        cache = target_cache(model, arena_mib(model, host, 2))
+        draft = new_draft(host, p_min=0.0, sampling=GREEDY, run_ahead=False)
+        g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=4,
+                                 prefill_chunk=CHUNK, control=DraftControl(draft, cache, Never()),
+                                 synthetic_acceptance=alpha, device_rounds=device_rounds)
+        out.append((g.tokens, [(r.drafted, r.accepted) for r in g.records]))
+    assert out[0] == out[1]
+
+
+def test_device_rounds_survive_an_eject_and_a_reenable(model, host, plain):
+    """A device round after a re-enable catches the draft up on what the target decoded while it
+    was ejected (a catch-up wider than a decode step runs on the host, then rounds go back to
+    the device); the tokens stay plain decoding's."""
+    g, draft, control, _ = run_with_draft(model, host, Scripted(at=4, back=9), device_rounds=True)
+    assert g.tokens == plain and [t.action for t in control.transitions] == ["eject", "reenable"]
+    assert any(not r.draft_active for r in g.records) and draft.stats.drafts > 0
+    assert draft.fed == (PROMPT + g.tokens)[:len(draft.fed)]

@@ -16,13 +16,14 @@ from kernels.formats import PAGE_TOKENS
 
 class PinnedUpload:
     """Host -> device writes of one device tensor that do not make the host wait: the host fills
-    one of two pinned buffers in turn (``stage``), ``send`` queues its copy; an event per buffer
-    says when its copy has read it (long done, in practice, when the buffer comes round again).
-    Off CUDA: one buffer, copied at once."""
+    one of ``buffers`` pinned buffers in turn (``stage``), ``send`` queues its copy; an event per
+    buffer says when its copy has read it (long done, in practice, when the buffer comes round
+    again: more buffers where several writes are queued within one step). Off CUDA: one buffer,
+    copied at once."""
 
-    def __init__(self, dst: torch.Tensor):
+    def __init__(self, dst: torch.Tensor, buffers: int = 2):
         self.dst, self.cuda, self.i = dst, dst.device.type == "cuda", 0
-        self.bufs = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=self.cuda) for _ in range(2 if self.cuda else 1)]
+        self.bufs = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=self.cuda) for _ in range(buffers if self.cuda else 1)]
         self.done = [torch.cuda.Event() for _ in self.bufs] if self.cuda else None
 
     def stage(self) -> torch.Tensor:

@@ -96,6 +96,7 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
         prefill_chunk=cfg.prefill_chunk, on_token=on_token, synthetic_acceptance=spec.synthetic_acceptance,
         length_policy=draft_length.build(p.draft_length, n=spec.n_max) if p.draft_length == "fixed"
         else draft_length.build(p.draft_length),
-        order_policy=chain_order.build(p.chain_order), control=control, progress=progress)
+        order_policy=chain_order.build(p.chain_order), control=control, progress=progress,
+        device_rounds=cfg.engine.device_rounds and model.device.type == "cuda")
     return RunResult(g, chain, control, cache)
 

@@ -19,6 +19,14 @@ One round (DESIGN.md, "One decode step, as data"):
 
 The output has the target's distribution whatever the draft: greedy runs equal plain decoding
 token for token (tests), sampled runs match it in distribution (chi-square test).
+
+With ``device_rounds`` (CUDA, greedy) a round whose chain is one speculator that drafts on the
+device (``Chain.propose_device``: the draft model) runs with one host sync: the draft's steps
+feed each other on the device, the ``p_min`` stop is a mask, the verify pass runs 1 + n tokens
+whatever the mask, and greedy (or synthetic) acceptance is computed on the device; the host
+reads back the accepted count and the tokens once, with the draft's and the verify's device
+times (CUDA events). The output is the same as the host round's: a masked token is never
+accepted, and the token after the accepted prefix is the target's argmax there.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from tqdm import tqdm
 from policies.chain_order import ChainSnapshot
 from policies.draft_length import Fixed, LengthSnapshot
 
+from kvstream.cache.paged_staging import PinnedUpload
 from kvstream.engine.generate import Generation, GenerationStats, sync_device, prefill_phase, warm_up
 from kvstream.engine.readback import Readback
 from kvstream.model.sampling import Sampler
@@ -65,6 +74,65 @@ def accept(logits: torch.Tensor, draft: list[int], sampler: Sampler, q: torch.Te
     return out + [int(sampler(logits[len(draft)]))]
 
 
+def accept_on_device(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, sampler: Sampler,
+                     alpha: float | None = None) -> torch.Tensor:
+    """``accept`` for greedy rounds, on the device: [accepted, valid count, the n tokens, the
+    target's 1 + n argmaxes] as one long tensor (one readback). logits [1 + n, vocab]."""
+    n = tokens.shape[0]
+    top = logits.argmax(-1)
+    if alpha is not None:  # synthetic: each token kept with probability alpha, whatever its content
+        keep = torch.rand(n, generator=sampler.generator, device=logits.device) < alpha
+    else:
+        keep = top[:n] == tokens
+    accepted = torch.cumprod((keep & valid).int(), 0).sum()
+    return torch.cat((accepted.view(1).long(), valid.sum().view(1).long(), tokens, top))
+
+
+class _DeviceRound:
+    """A round on the device (module docstring): the verify input staged without a sync, one
+    readback per round, the draft's and the verify's device times."""
+
+    def __init__(self, device: torch.device, n_max: int):
+        self.cuda = device.type == "cuda"
+        self.batch = PinnedUpload(torch.zeros(1 + n_max, dtype=torch.long, device=device))
+        self.readbacks: dict[int, Readback] = {}
+        self.device = device
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    @staticmethod
+    def _between(a, b) -> float:
+        return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
+
+    def run(self, model, cache, chain, history: list[int], n: int, sampler: Sampler, alpha: float | None):
+        """(kept tokens, valid draft tokens, draft seconds, verify seconds) of one round, or None
+        when the chain drafts on the host this round."""
+        t0 = self._mark()
+        drafted = chain.propose_device(history, n)
+        if drafted is None:
+            return None
+        tokens, valid = drafted
+        t1 = self._mark()
+        stage = self.batch.stage()
+        stage[0] = history[-1]
+        self.batch.send()
+        batch = self.batch.dst[:1 + n]
+        batch[1:].copy_(tokens)
+        logits = model(batch, cache, all_logits=True)
+        rb = self.readbacks.get(n) or self.readbacks.setdefault(n, Readback(self.device, (2 * n + 3,), torch.long))
+        rb.start(accept_on_device(logits, tokens, valid, sampler, alpha))
+        t2 = self._mark()
+        out = rb.read().tolist()
+        accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
+        chain.last_winner.read_device_round(toks, n_valid)
+        return toks[:accepted] + [top[accepted]], n_valid, self._between(t0, t1), self._between(t1, t2)
+
+
 @dataclass
 class _Timing:
     """Running measurements the length policy reads: target verify time per width, draft time."""
@@ -86,7 +154,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
                          n_max: int = 15, stop_ids: Iterable[int] = (), prefill_chunk: int = 512,
                          on_token: Callable[[int], None] | None = None, synthetic_acceptance: float | None = None,
                          length_policy=None, order_policy=None, control=None, progress: bool = False,
-                         run_ahead: bool | None = None) -> Generation:
+                         run_ahead: bool | None = None, device_rounds: bool | None = None) -> Generation:
     """Generate like :func:`kvstream.engine.generate.generate`, drafting with ``chain``. ``n_max`` caps
     the draft (a verify batch is at most 1 + n_max tokens); ``length_policy`` picks each
     round's length, ``order_policy`` the chain's order, ``control`` ejects / re-enables a
@@ -96,11 +164,15 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     (``control.plain``: the draft pinned, not drafting) rounds are plain steps, and with ``run_ahead``
     (default: on CUDA) the host queues the next one before reading the token that feeds it, as
     ``generate`` does: after an eject the decode runs at the plain rate. A queued step that is
-    not used (a stop token, a re-enabled draft, the end of a plain measurement) is rolled back."""
+    not used (a stop token, a re-enabled draft, the end of a plain measurement) is rolled back.
+    ``device_rounds`` (default: on CUDA) runs greedy drafting rounds on the device (module
+    docstring)."""
     stop = set(stop_ids)
     dev = model.device
     ahead = dev.type == "cuda" if run_ahead is None else run_ahead
     readback = Readback(dev, (), torch.long)
+    on_device = (dev.type == "cuda" if device_rounds is None else device_rounds) and sampler.params.greedy
+    rounds = _DeviceRound(dev, n_max) if on_device else None
     queued = None  # (cache length before it, its logits): a plain step queued ahead
     length_policy = length_policy or Fixed(n_max)
     logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
@@ -130,44 +202,52 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         # after a re-layout); what runs past the end
         # is dropped below (kvstream.engine.runner sizes the cache n_max tokens past the end for it)
         n = min(n_round, cache.max_tokens - cache.length - 1)
-        draft = chain.propose(prompt + out, n) if n > 0 and not plain else []
-        draft_s = time.perf_counter() - ts
-        if queued is not None:  # this round's step is already on the device
-            (start, logits, stats), queued = queued, None
+        start = cache.length
+        done = rounds.run(model, cache, chain, prompt + out, n, sampler, synthetic_acceptance) \
+            if rounds is not None and n > 0 and not plain and queued is None else None
+        if done is not None:  # drafted, verified and accepted on the device
+            kept, n_drafted, draft_s, verify_s = done
+            width, stats = 1 + n, cache.stats
         else:
-            start = cache.length
-            logits = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True)
-            stats = cache.stats  # this step's (a queued next step gets its own)
-        if ahead and plain and len(out) + 1 < max_new_tokens:
-            tok = sampler(logits[0])  # what accept() samples for a round without a draft, kept on the device
-            readback.start(tok)
-            queued = (cache.length, model(tok.view(1), cache, all_logits=True), cache.stats)  # the next round's step
-            kept = [int(readback.read())]
-        else:
-            kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
+            draft = chain.propose(prompt + out, n) if n > 0 and not plain else []
+            n_drafted, width = len(draft), 1 + len(draft)
+            draft_s = time.perf_counter() - ts
+            if queued is not None:  # this round's step is already on the device
+                (start, logits, stats), queued = queued, None
+            else:
+                logits = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True)
+                stats = cache.stats  # this step's (a queued next step gets its own)
+            if ahead and plain and len(out) + 1 < max_new_tokens:
+                tok = sampler(logits[0])  # what accept() samples for a round without a draft, kept on the device
+                readback.start(tok)
+                queued = (cache.length, model(tok.view(1), cache, all_logits=True), cache.stats)  # the next round's step
+                kept = [int(readback.read())]
+            else:
+                kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
         kept = kept[:next((i + 1 for i, t in enumerate(kept) if t in stop), len(kept))]  # nothing after a stop
         kept = kept[:max_new_tokens - len(out)]  # the chain then rolls back what ran past the end
         if queued is None:  # (a step queued after a stop token is rolled back after the loop)
             cache.truncate(start + len(kept))  # the last sampled token and the accepted drafts stay
         winner = chain.last_winner.name if chain.last_winner is not None else ""
-        if draft:
-            chain.accepted(len(draft), len(kept) - 1)
+        if chain.last_winner is not None:
+            chain.accepted(n_drafted, len(kept) - 1)
         for t in kept:
             out.append(t)
             emit(t)
         step_s = time.perf_counter() - ts
-        timing.update(1 + len(draft), step_s - draft_s, draft_s, len(draft))
-        drafted_total, accepted_total = drafted_total + len(draft), accepted_total + len(kept) - 1
+        # device rounds: the verify's device time for its width (host rounds: the rest of the round)
+        timing.update(width, verify_s if done is not None else step_s - draft_s, draft_s, n_drafted)
+        drafted_total, accepted_total = drafted_total + n_drafted, accepted_total + len(kept) - 1
         # this round's length and stats, not those of a step queued after it
-        records.append(StepRecord.of(len(records), cache, len(kept), step_s, verify_width=1 + len(draft),
-                                     drafted=len(draft), accepted=len(kept) - 1, draft_s=draft_s,
+        records.append(StepRecord.of(len(records), cache, len(kept), step_s, verify_width=width,
+                                     drafted=n_drafted, accepted=len(kept) - 1, draft_s=draft_s,
                                      draft_active=bool(control and control.active), speculator=winner,
                                      plain_measure=measuring, context=start + len(kept), stats=stats))
         bar.update(len(kept))
         if control is not None:
             control.after_step(len(records) - 1, len(kept), step_s, length=start + len(kept),
                                tokens_left=0 if out[-1] in stop else max_new_tokens - len(out), draft_s=draft_s)
-        last = (len(draft), len(kept) - 1)  # (0, 0) after a round without a draft: no change
+        last = (n_drafted, len(kept) - 1)  # (0, 0) after a round without a draft: no change
         n_round = length_policy.decide(LengthSnapshot(
             n_max, *last, accepted_total / drafted_total if drafted_total else None, dict(timing.width_s),
             timing.draft_s / timing.drafted if timing.drafted else None, n_round))

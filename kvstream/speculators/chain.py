@@ -43,6 +43,20 @@ class Chain:
                 return draft
         return []
 
+    def propose_device(self, history: Sequence[int], n: int) -> Any:
+        """A round drafted on the device ((tokens, valid) tensors of ``n``, see
+        ``DraftModel.propose_device``) by the chain's one speculator when it can; None otherwise
+        (several speculators, or one that drafts on the host: ``propose``)."""
+        self.last_winner = None
+        self._pending = 0
+        spec = self.speculators[0] if len(self.speculators) == 1 else None
+        if n <= 0 or spec is None or not spec.enabled or not hasattr(spec, "propose_device"):
+            return None
+        out = spec.propose_device(list(history), n)
+        if out is not None:
+            self.last_winner, self._pending = spec, n
+        return out
+
     def accepted(self, n_drafted: int, n_accepted: int) -> None:
         """Feedback for the last draft, passed to its speculator only. A call after a round
         without a draft is allowed with ``n_drafted == 0`` and does nothing."""

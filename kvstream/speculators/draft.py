@@ -35,6 +35,7 @@ from kvstream.engine.graphs import GraphedModel, warm_widths
 from kvstream.model.loader import open_gguf
 from kvstream.model.qwen import Qwen, load_model
 from kvstream.cache.paged import PagedCache
+from kvstream.cache.paged_staging import PinnedUpload
 from kvstream.engine.readback import Readback
 from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.model.tokenizer import gguf_metadata
@@ -108,6 +109,9 @@ class DraftModel(Speculator):
         self.enabled = False  # until pinned
         self._graphed: GraphedModel | None = None  # kept across an eject: see pin
         self._graphed_at: tuple[int, ...] = ()
+        # a device round's catch-up tokens, copied from pinned buffers (a pageable copy syncs)
+        self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
+        self._round = 0  # draft tokens of the device round awaiting read_device_round
 
     # ---- arena ------------------------------------------------------------------------
 
@@ -262,6 +266,43 @@ class DraftModel(Speculator):
             return []
         self.last_probs = torch.stack(probs) if probs else None
         return draft
+
+    def propose_device(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A greedy round with no host sync: catch up on the history's new tokens, then ``n``
+        draft steps, each fed the last one's argmax on the device. Returns (tokens [n], valid
+        [n]): ``valid`` is the ``p_min`` stop as a mask (a prefix; none when it is shorter than
+        ``n_min``), so the round has a fixed shape. None where the round needs the host:
+        sampling, no model, a catch-up wider than a decode step, a window restart. The tokens
+        reach the host with the verify's readback: ``read_device_round``."""
+        if self.model is None or not self.sampler.params.greedy:
+            return None
+        self._truncate(min(_common_prefix(self.fed, history), len(history) - 1))
+        new = history[len(self.fed):]
+        if not 0 < len(new) <= MAX_N_Q or self.cache.length + len(new) + n > self.kv_tokens:
+            return None
+        self.stats.calls += 1
+        self._at, self._round = len(history), n
+        stage = self._ids.stage()
+        stage[:len(new)] = torch.tensor(new)
+        self._ids.send()
+        logits = self.model(self._ids.dst[:len(new)], self.cache)[-1]
+        self.fed.extend(new)
+        tokens = torch.empty(n, dtype=torch.long, device=self.device)
+        top = torch.empty(n, dtype=torch.float32, device=self.device)
+        for i in range(n):
+            top[i], tokens[i] = torch.softmax(logits.float(), -1).max(-1)
+            if i + 1 < n:
+                logits = self.model(tokens[i:i + 1], self.cache)[-1]
+        valid = torch.cumprod((top >= self.p_min).int(), 0)
+        return tokens, (valid * (valid.sum() >= max(1, self.n_min))).bool()
+
+    def read_device_round(self, tokens: list[int], n_valid: int) -> None:
+        """The device round's tokens, read back: the KV holds the first ``n - 1`` after the history."""
+        self.fed.extend(tokens[:self._round - 1])
+        self._round = 0
+        if n_valid:
+            self.stats.drafts += 1
+            self.stats.drafted_tokens += n_valid
 
     def _accepted(self, n_drafted: int, n_accepted: int) -> None:
         self._truncate(self._at + n_accepted)  # the draft KV holds exactly the accepted history

@@ -1,0 +1,107 @@
+"""What a drafting round costs against its parts: the verify step and k draft steps, each timed
+alone, and whole rounds with the host reading each draft token or the round on the device.
+
+    python -m experiments.bench_round --target .models/qwen2.5-coder-1.5b.skeleton.gguf \
+        --draft .models/qwen2.5-coder-0.5b.skeleton.gguf --context 4096 --k 4
+
+Random weights at the real shapes (skeleton GGUFs) with synthetic acceptance 1.0 (every draft
+token kept, every round k + 1 tokens: times only), resident caches, graphed steps. The parts:
+the target's captured 1 + k step and the draft's captured one-token step, replayed alone
+(CUDA events over 50 back-to-back replays); the rounds: ``run_decode`` with
+``engine.device_rounds`` off and on, each round's host wall time (``StepRecord.step_s``). The
+goal (issue #28): a device round <= verify + k x draft + 0.15 ms. Writes
+``<out>/round_<context>_k<k>.csv`` (one row per arm, with the command and provenance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from experiments.common import provenance
+from kvstream.config import (ArenaConfig, CacheConfig, DraftConfig, EngineConfig, GenerateConfig, Hardware, ModelSource,
+                             SpecConfig)
+from kvstream.engine.graphs import GraphedModel
+from kvstream.engine.runner import run_decode
+from kvstream.model.loader import open_gguf
+from kvstream.model.qwen import load_model
+from kvstream.model.tokenizer import Tokenizer
+
+
+def step_ms(graphed, cache, width: int, reps: int = 50) -> float:
+    """One captured step of ``width`` tokens at the cache's end, replayed ``reps`` times back to
+    back (the host queues ahead, as a decode does): device ms per step, by CUDA events."""
+    n, tokens = cache.length, torch.randint(0, graphed.cfg.vocab_size, (width,), device="cuda")
+
+    def call():
+        graphed(tokens, cache, width > 1)
+        cache.truncate(n)
+    for _ in range(3):  # capture, warm
+        call()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(reps):
+        call()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    ap.add_argument("--new", type=int, default=400, help="tokens decoded per arm")
+    ap.add_argument("--out", default="results/round")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_round times CUDA graphs and device rounds: it needs a GPU")
+    reader = open_gguf(args.target)
+    model, tok = load_model(reader, torch.bfloat16, "cuda"), Tokenizer.from_gguf(reader)
+    prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    base = GenerateConfig(model=ModelSource(args.target), hardware=Hardware("cuda", "bfloat16"),
+                          cache=CacheConfig(mode="resident"), arena=ArenaConfig("auto"), max_new_tokens=args.new,
+                          ignore_eos=True, spec=SpecConfig(type="draft", n_max=args.k, synthetic_acceptance=1.0,
+                                                           draft=DraftConfig(source=args.draft, p_min=0.0)))
+    rows = []
+    for device_rounds in (False, True, False, True):  # twice each, interleaved: the second pair is reported
+        cfg = replace(base, engine=EngineConfig(device_rounds=device_rounds))
+        res = run_decode(cfg, model, tok, prompt)
+        rec = [r for r in res.generation.records if r.verify_width == 1 + args.k][5:]  # past the first rounds
+        rows.append({"arm": "device" if device_rounds else "host", "rounds": len(rec),
+                     "round_ms": 1e3 * pd.Series([r.step_s for r in rec]).median(),
+                     "draft_ms": 1e3 * pd.Series([r.draft_s for r in rec]).median(),
+                     "tok_s": res.generation.stats.decode_tok_s})
+        del res
+    rows = rows[2:]
+    # the parts, alone: the target's 1 + k step and the draft's one-token step, captured and replayed
+    cfg = replace(base, engine=EngineConfig(device_rounds=True), max_new_tokens=8)
+    res = run_decode(cfg, model, tok, prompt)
+    verify = step_ms(GraphedModel(model), res.cache, 1 + args.k)
+    draft = res.chain.get("draft")
+    draft_step = step_ms(draft.model, draft.cache, 1)
+    floor = verify + args.k * draft_step
+    df = pd.DataFrame(rows).assign(verify_ms=verify, draft_step_ms=draft_step, parts_ms=floor,
+                                   excess_ms=lambda d: d.round_ms - floor, context=args.context, k=args.k,
+                                   command=" ".join(["python -m experiments.bench_round", *sys.argv[1:]]), **provenance())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = out / f"round_{args.context}_k{args.k}.csv"
+    df.to_csv(name, index=False)
+    print(f"verify (1 + {args.k}) {verify:.3f} ms, draft step {draft_step:.3f} ms: parts {floor:.3f} ms")
+    for r in df.itertuples():
+        print(f"{r.arm}: round {r.round_ms:.3f} ms (median of {r.rounds}), excess over the parts {r.excess_ms:+.3f} ms, "
+              f"draft part {r.draft_ms:.3f} ms, {r.tok_s:.1f} tok/s")
+    print(f"wrote {name}")
+
+
+if __name__ == "__main__":
+    main()
