@@ -11,8 +11,9 @@ A step reads the plan through device tensors written in place (page tables, roun
 positions, slots, the length) and through its copies' node parameters; its shape
 (``PagedCache.step_plan``: rounds, grouping, the copies' count and the 2-D ones) is what a
 capture fixes, so a decode captures once per width and shape: a page opening that keeps the
-shape costs an update of its copy nodes. A re-layout (phase switch, draft eject / re-enable)
-drops the graphs. A pinned draft's own graphs survive its eject and re-enable, which put its
+shape costs an update of its copy nodes. The graphs of one shape are kept (every width); a
+new shape drops them, since their buffers share the cache's slab, sized for one shape's steps.
+A re-layout (phase switch, draft eject / re-enable) drops the graphs. A pinned draft's own graphs survive its eject and re-enable, which put its
 weights and KV back at the same addresses (``DraftModel.pin``, ``PagedCache.move_to``).
 
 Eager and graphed steps run the same kernels on the same bytes in the same order, so their
@@ -89,11 +90,17 @@ class GraphedModel:
                 entry.plan = plan
                 self.updates += 1
                 cache.stats.plan_change = "update"
-            except Unbound:
-                del self.graphs[key]
+            except Unbound:  # captured anew below (with the rest: graphs leave the slab together)
+                self.graphs.clear()
+                self.pool = torch.cuda.graph_pool_handle()
                 entry = None
             cache.stats.plan_s += time.perf_counter() - t0
         if entry is None:
+            if any(k[2] != shape for k in self.graphs):
+                # another shape's graphs keep their buffers in the cache's slab, which the reserve
+                # pass sized for one shape's steps: they go before this one is captured
+                self.graphs.clear()
+                self.pool = torch.cuda.graph_pool_handle()
             t0 = time.perf_counter()
             entry = self.graphs[key] = self._capture(n, pos, cache, all_logits, rows, plan)
             cache.stats.plan_change = "capture"
