@@ -164,7 +164,7 @@ def report(df: pd.DataFrame, label: str) -> None:
               f"changes ({int(change.captured.sum())} captured), their step {1e3 * change.wall_s.median():.2f} ms "
               f"= {change.wall_s.median() / base:.2f}x steady")
         for _, r in change.iterrows():
-            parts = {p: r[p] for p in PARTS}
+            parts = {p: r.get(p, 0.0) for p in PARTS}
             print(f"  at {int(r.length)} ({int(r.streamed_pages)} streamed, {int(r.rounds)} rounds, {r.plan_change}): "
                   f"step {1e3 * r.wall_s:.2f} ms = {r.wall_s / base:.2f}x, "
                   + ", ".join(f"{p} {1e3 * v:.2f}" for p, v in parts.items() if v > 1e-4))
@@ -172,7 +172,8 @@ def report(df: pd.DataFrame, label: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="a GGUF (a skeleton gives random weights: times only)")
+    ap.add_argument("--model", help="a GGUF (a skeleton gives random weights: times only)")
+    ap.add_argument("--report", nargs="+", metavar="CSV", help="print the report of written CSVs instead (no GPU)")
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--width", type=int, default=5, help="tokens per step (1 + draft tokens)")
     ap.add_argument("--pages", type=int, default=4, help="page openings to decode across")
@@ -185,6 +186,15 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the page-opening steps (<csv name>.profile.txt)")
     args = ap.parse_args(argv)
+    if args.report:
+        for name in args.report:
+            df = pd.read_csv(name, keep_default_na=False)
+            if "mode" not in df:  # written before the run-ahead decode and the update path: captures only
+                df = df.assign(mode="synced", updated=0, plan_change=df.captured.map({1: "capture"}).fillna(""))
+            report(df, name)
+        return
+    if args.model is None:
+        ap.error("--model is required (or --report CSV ...)")
     if not torch.cuda.is_available():
         raise SystemExit("bench_capture times CUDA-graph captures: it needs a GPU")
     model = load_model(args.model, torch.bfloat16, "cuda")
