@@ -36,8 +36,9 @@ class CostModel:
     (``round_*``, interpolated in context, flat outside: a real draft's acceptance and time change
     with the text and its KV window). ``acceptance`` (per token) is reported beside. An eject costs ``eject_s`` once: the arena's re-layout
     (``eject_seconds``) and the extra time of the steps after it that still pay for it
-    (``eject_cost``: graphs re-captured). A state that streams pays ``page_s`` once per page of
-    tokens (``page_cost``: its CUDA graphs are re-captured when the copies change).
+    (``eject_cost``: graphs captured for the new layout). A state that streams pays ``page_s`` once
+    per page of tokens (``page_cost``: the new plan, its captured copies re-pointed, or a capture
+    where the step's shape changes).
     rms_residual_s: over design-point medians."""
     a: float
     b: float
@@ -166,9 +167,10 @@ def page_costs(steps: pd.DataFrame, paying: pd.Series) -> dict:
 
 def page_cost(steps: pd.DataFrame, paying: pd.Series) -> float:
     """Mean extra target time of the steps that open a page while pages stream (when the plan's
-    copies change, its CUDA graphs are re-captured: ~0.1 s on the H200, against ~0.5 s of
-    drafting rounds per page; a mean, since with ``cache.residency_step`` k only one opening in
-    k does), over the median step of the same run and design point; steps that still pay a
+    copies change, the plan is made and the captured copies re-pointed, ~1-2 ms on the H200, or
+    the step captured where its shape changes, ~40-50 ms; a mean, since with
+    ``cache.residency_step`` k only one opening in k changes the plan), over the median step of
+    the same run and design point; steps that still pay a
     transition (``paying``) left out. 0 when no such step, or the steps do not say."""
     extra = _opening_extras(steps, paying)
     return max(0.0, float(extra.mean())) if len(extra) else 0.0

@@ -103,7 +103,7 @@ class CacheConfig:
     ring_pages: int | str = "auto"
     residency: str = "newest"  # newest | sink_newest (policies/residency.py)
     # the oldest resident pages leave this many at a time: the streamed set, and with it the
-    # captured step's copies, changes once per this many new pages (a re-capture costs tens of ms),
+    # captured step's copies, changes once per this many new pages (a plan and a copy update, ~1 ms),
     # at the price of up to step - 1 pool slots left empty until new pages fill them
     residency_step: int = 1
     # paged modes on CUDA: time each step's transfer wait (the steps' wait_s column; ring waits and

@@ -673,3 +673,19 @@ def test_device_rounds_survive_an_eject_and_a_reenable(model, host, plain):
     assert g.tokens == plain and [t.action for t in control.transitions] == ["eject", "reenable"]
     assert any(not r.draft_active for r in g.records) and draft.stats.drafts > 0
     assert draft.fed == (PROMPT + g.tokens)[:len(draft.fed)]
+
+
+def test_a_device_round_reads_the_device_once(model, host, plain, monkeypatch):
+    """One host read per drafting round (the accepted count and tokens together), none for the
+    draft tokens themselves: every Readback.read of the decode is a round's."""
+    from kvstream.engine.readback import Readback
+
+    reads = []
+    read = Readback.read
+    monkeypatch.setattr(Readback, "read", lambda self: reads.append(self.host.shape) or read(self))
+    cache = target_cache(model, arena_mib(model, host, 2))
+    draft = new_draft(host, p_min=0.0, sampling=GREEDY)
+    g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=4, prefill_chunk=CHUNK,
+                             control=DraftControl(draft, cache, Never()), device_rounds=True, run_ahead=False)
+    assert g.tokens == plain
+    assert len(reads) == sum(r.verify_width == 5 for r in g.records) and set(reads) == {(2 * 4 + 3,)}

@@ -14,9 +14,9 @@ Goodput per state is measured as steady rounds plus a cost per page. The steady 
 tokens per batch over the median batch time of the state's latest batches, so a lone slow batch
 (a verify width captured late) does not count. The batches right after a transition are charged
 to the transition instead. The per-page part is paid by a state that streams pages: a streaming
-plan re-captures its CUDA graphs when a page opens. It is measured on the batches that open a
-page and applied to whichever state streams (until a page opens, an eject's re-capture cost
-stands in for it), on the target's part of those batches: the draft's own slow batches (its window
+plan changes when a page opens (the plan, the captured copies re-pointed; a capture where the
+step's shape changes). It is measured on the batches that open a page and applied to whichever
+state streams (until a page opens, an eject's capture cost stands in for it), on the target's part of those batches: the draft's own slow batches (its window
 restarts, ~0.1 s) are not page costs, and one landing on an opening would make a paying draft
 look slow. A probe is too short to meet a page boundary, and a long stint meets one per page:
 measured over a window, the two states would not compare alike.
@@ -81,7 +81,7 @@ class DraftControl:
         # per state: (tokens, seconds, the draft's seconds) of its latest batches
         self.meter = {True: deque(maxlen=GOODPUT_WINDOW), False: deque(maxlen=GOODPUT_WINDOW)}
         # seconds a page opening took beyond the steady rate; whole residency steps of them (one
-        # opening in a step re-captures), so the mean counts the same number of re-captures
+        # opening in a step changes the plan), so the mean counts the same number of plan changes
         self.residency_step = getattr(getattr(cache, "residency", None), "step", 1)
         self.page_costs: deque[float] = deque(maxlen=PAGE_SAMPLES * self.residency_step)
         self._pages: int | None = None  # pages per layer of the latest step launched, after the previous batch
@@ -127,13 +127,14 @@ class DraftControl:
         """Seconds a streaming state pays once per page.
 
         - It is the mean of the latest page openings. With ``cache.residency_step`` k, one
-          opening in k re-captures and the others cost nothing.
+          opening in k changes the plan and the others cost nothing.
         - Until k openings are measured, the missing ones count as nothing. The first opening
-          after a plan change is the one that re-captures, so one re-capture measured stands
-          for one page in k, not every page.
+          after a plan change is the one that pays, so one plan change measured stands for one
+          page in k, not every page.
         - Before the first opening, the stand-in is what the latest eject's first batches cost
-          beyond the plain rate, over k (the same work: graphs captured for a new plan; undivided,
-          it would charge a kept draft a re-capture on every page instead of one in k).
+          beyond the plain rate, over k (graphs captured for a new layout: an upper bound on a
+          page opening's plan change; undivided, it would charge a kept draft on every page
+          instead of one in k).
         - With neither, 0."""
         if self.page_costs:
             return max(0.0, sum(self.page_costs) / max(len(self.page_costs), self.residency_step))
