@@ -118,6 +118,32 @@ def test_graphed_decode_is_bit_identical_to_eager(tmp_path, mode, ring, pages):
     assert graphed.captures == 1 if mode == "resident" else graphed.captures >= 1
 
 
+def test_graphed_steps_return_the_hidden_states_an_mtp_head_reads(tmp_path):
+    """``hidden=True`` through a captured step (a verify batch, streaming): (logits, h) equal the
+    eager pass's bit for bit, and the logits equal a step without ``hidden``'s."""
+    import test_paged_cache as t
+    from kvstream.engine.graphs import GraphedModel
+
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
+    toks = torch.randint(0, 357, (t.PROMPT + 12,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = []
+    for step in (m, GraphedModel(m)):
+        cache = t.paged(m, "stream", mib=t.small_arena_mib(m, 6, 8), ring=8)
+        t.run(m, cache, toks[:t.PROMPT + 1], decode=1)
+        batch = torch.tensor(toks[t.PROMPT:t.PROMPT + 5], device="cuda")
+        with torch.inference_mode():
+            for _ in range(3):  # capture, then replays
+                n = cache.length
+                logits, h = step(batch, cache, all_logits=True, hidden=True)
+                cache.truncate(n)
+                plain = step(batch, cache, all_logits=True)
+                cache.truncate(n)
+        out.append((logits, h, plain))
+        del step
+    (a, ha, pa), (b, hb, pb) = out
+    assert h.shape == (5, t.SPEC.hidden) and torch.equal(a, b) and torch.equal(ha, hb) and torch.equal(pa, a)
+
+
 @pytest.mark.parametrize("ring", [12, 40])
 def test_graphed_decode_across_page_openings_updates_its_copies_instead_of_capturing(tmp_path, ring):
     """Eight page openings (tests/test_graph_plan.py's decode: 4 layers, 1-9 streamed pages per

@@ -85,6 +85,17 @@ def test_hidden_is_the_pre_norm_residual(target):
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-5)  # fp32, the same ops in another order: a few ulps
 
 
+def test_forward_returns_the_hidden_states_beside_the_logits(target):
+    """``forward(hidden=True)`` (what a verify batch hands an MTP head) gives the pass's logits
+    and every row's pre-norm state: the logits equal a pass without it, the states body's."""
+    tokens = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(3))
+    a, b = target.new_cache(12), target.new_cache(12)
+    logits, h = target(tokens, a, all_logits=True, hidden=True)
+    assert torch.equal(logits, target(tokens, b, all_logits=True)) and h.shape == (12, target.cfg.hidden)
+    c = target.new_cache(12)
+    assert torch.equal(h, target.body(tokens, c.begin(12), c, all_logits=True, hidden=True)[1])
+
+
 @pytest.mark.parametrize("n_draft", [None, 50])
 def test_unroll_equals_the_drafting_chain(target, n_draft):
     """Row i of unrolled step s = the logits of step s of a drafting chain from position i: the

@@ -38,7 +38,7 @@ from kvstream.engine.graph_copies import CopyNodes, Unbound
 @dataclass
 class Captured:
     graph: torch.cuda.CUDAGraph
-    out: torch.Tensor  # the output buffer every replay rewrites
+    out: torch.Tensor | tuple  # the output buffer(s) every replay rewrites: logits, or (logits, h)
     copies: CopyNodes | None  # None: no copies, or they could not be bound (a plan change re-captures)
     plan: tuple  # the cache's plan_key its copies point at
 
@@ -63,12 +63,13 @@ class GraphedModel:
     def __getattr__(self, name):  # cfg, device, dtype, ...: the model's
         return getattr(self.model, name)
 
-    def __call__(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
+        """As ``Qwen.forward`` (``hidden``: (logits, h), an MTP head's input)."""
         n = tokens.shape[0]
         if n > self.tokens.shape[0] or not hasattr(cache, "plan_key") or cache.recycles(n):
             # prefill chunks (a short last one too: a prefill slab starts each pass empty),
             # caches without static buffers
-            return self.model(tokens, cache, all_logits)
+            return self.model(tokens, cache, all_logits, hidden)
         pos = cache.begin(n)
         # a new layout or another cache (not by id(): a new cache may reuse a freed one's id, and
         # replaying graphs captured on freed buffers is an illegal access): the old graphs are done
@@ -78,7 +79,7 @@ class GraphedModel:
                 self.pool = torch.cuda.graph_pool_handle()
             self.layout, self._cache = cache.layout_key(), weakref.ref(cache)
         shape, rows = cache.step_plan()
-        key, plan = (n, all_logits, shape), cache.plan_key()
+        key, plan = (n, all_logits, shape, hidden), cache.plan_key()
         self.tokens[:n].copy_(tokens)
         entry = self.graphs.get(key)
         if entry is not None and entry.plan != plan:
@@ -102,15 +103,16 @@ class GraphedModel:
                 self.graphs.clear()
                 self.pool = torch.cuda.graph_pool_handle()
             t0 = time.perf_counter()
-            entry = self.graphs[key] = self._capture(n, pos, cache, all_logits, rows, plan)
+            entry = self.graphs[key] = self._capture(n, pos, cache, all_logits, hidden, rows, plan)
             cache.stats.plan_change = "capture"
             cache.stats.plan_s += time.perf_counter() - t0
         entry.graph.replay()
         cache.commit()
-        return entry.out.clone()  # the graph's output buffer is rewritten by the next replay
+        # the graph's output buffers are rewritten by the next replay
+        return tuple(t.clone() for t in entry.out) if hidden else entry.out.clone()
 
-    def _capture(self, n, pos, cache, all_logits, rows, plan) -> Captured:
-        body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits)
+    def _capture(self, n, pos, cache, all_logits, hidden, rows, plan) -> Captured:
+        body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)
         side, slab = self.stream, cache.slab_pool
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), cache.compute():  # warm-up outside the capture (Triton compiles, allocator)

@@ -76,18 +76,21 @@ class Qwen:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
-        """tokens [n] (int64, on the model's device) -> logits [n, vocab] or [1, vocab] (the last).
+    def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
+        """tokens [n] (int64, on the model's device) -> logits [n, vocab] or [1, vocab] (the last);
+        with ``hidden``, (logits, h): h the rows' residual stream before the final norm (``body``).
 
         The cache stores the n new K/V rows; positions continue from its current length.
         """
         pos = cache.begin(tokens.shape[0])
         with cache.compute():
-            logits = self.body(tokens, pos, cache, all_logits)
+            out = self.body(tokens, pos, cache, all_logits, hidden)
             pooled = cache.slab_pool is not None  # (the pool of this pass: asked before the commit)
         cache.commit()
-        # a slab's buffers are the phase's: the caller keeps its own copy of the logits
-        return logits.clone() if pooled else logits
+        # a slab's buffers are the phase's: the caller keeps its own copy of the outputs
+        if not pooled:
+            return out
+        return tuple(t.clone() for t in out) if hidden else out.clone()
 
     def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
         """The device side of ``forward`` between ``cache.begin`` and ``cache.commit``: no host
