@@ -127,3 +127,19 @@ def test_context_beyond_factor_times_original_is_an_error(models):
         check_run(torch.zeros(1, 257, dtype=torch.long), ours.cfg)
     with pytest.raises(ValueError, match=r"context of 65 tokens .* 64 tokens \(model.rope_scaling=yarn extends it\)"):
         make_cache(CacheConfig(), ArenaConfig(), plain, 65, 50)
+
+
+def test_a_draft_follows_the_targets_rope_overrides(tmp_path):
+    """A draft reads the target's positions: with model.rope_scaling=yarn its host weights load
+    with the same YaRN (no override: the draft's own GGUF's rope)."""
+    from kvstream.engine.runner import DraftHosts
+    from kvstream.model.tokenizer import Tokenizer
+
+    path = write_tiny_model(tmp_path / "d.gguf", TinySpec(context_length=512))
+    tok, hosts = Tokenizer.from_gguf(open_gguf(path)), DraftHosts()
+    rope = dict(rope_scaling="yarn", rope_factor=4.0, yarn_orig_ctx=None)
+    yarn = hosts.get_host(str(path), tok, torch.float32, "cpu", rope)
+    plain = hosts.get_host(str(path), tok, torch.float32, "cpu", dict(rope_scaling=None, rope_factor=None,
+                                                                       yarn_orig_ctx=None))
+    assert yarn.cfg.yarn == Yarn(4.0, 512) and yarn.cfg.context_length == 2048
+    assert plain.cfg.yarn is None and plain.cfg.context_length == 512 and len(hosts) == 2

@@ -312,11 +312,13 @@ class DraftModel(Speculator):
         self._truncate(self._at + n_accepted)  # the draft KV holds exactly the accepted history
 
 
-def load_host(path: str, target_tokens: list[str], dtype: torch.dtype, device: str | torch.device) -> Qwen:
-    """A draft's weights on the host, after checking its vocabulary against ``target_tokens``."""
+def load_host(path: str, target_tokens: list[str], dtype: torch.dtype, device: str | torch.device, **rope) -> Qwen:
+    """A draft's weights on the host, after checking its vocabulary against ``target_tokens``;
+    ``rope``: rope-scaling overrides as ``load_model`` takes them (the target's: a draft reads the
+    same positions, so past the original context it needs the same YaRN)."""
     reader = open_gguf(path)
     check_vocab(list(target_tokens), list(gguf_metadata(reader).get(TOKENS, [])), str(path))
-    host = load_model(reader, dtype, "cpu")
+    host = load_model(reader, dtype, "cpu", **rope)
     if torch.device(device).type == "cuda":  # pinned host memory: a re-enable copies at full PCIe speed
         host = host.map_tensors(lambda name, t: t.pin_memory())
     return host
