@@ -33,18 +33,17 @@ def tokens():
 
 def cache_for(model, mode, resident=2, ring=16):
     cfg = CacheConfig(mode=mode, type_k="q8_0", type_v="q4_0", ring_pages=ring if mode == "stream" else "auto")
-    mib = "auto"
-    if mode == "stream":  # exactly ``resident`` pages per layer in the decode layout (the prefill's fits)
-        slabs, pair = phase_slabs(cfg, model, MAX_TOKENS, CHUNK, WIDTH), pair_bytes("q8_0", "q4_0", SPEC.n_kv_heads,
-                                                                                  SPEC.head_dim)
-        if model.device.type == "cuda":
-            slabs = {k: max(slabs.values()) for k in slabs}
-        nbytes = max(ArenaPlan(slabs["decode"], ring, pair).bytes(SPEC.n_layers * resident),
-                     ArenaPlan(slabs["prefill"], ring, pair).bytes(SPEC.n_layers * 2))
-        mib = str(nbytes / MIB)
-        if model.device.type == "cuda":  # measured slabs: the decode phase keeps the prefill's (test_paged_cache.slabs)
-            return make_cache(cfg, ArenaConfig(mib), model, MAX_TOKENS, CHUNK, verify_width=WIDTH, slabs=slabs)
-    return make_cache(cfg, ArenaConfig(mib), model, MAX_TOKENS, CHUNK, verify_width=WIDTH)
+    if mode != "stream":
+        return make_cache(cfg, ArenaConfig("auto"), model, MAX_TOKENS, CHUNK, verify_width=WIDTH)
+    slabs = phase_slabs(cfg, model, MAX_TOKENS, CHUNK, WIDTH)
+    if model.device.type == "cuda":  # measured slabs: the decode phase keeps the prefill's (test_paged_cache.slabs)
+        slabs = {k: max(slabs.values()) for k in slabs}
+    # exactly ``resident`` pages per layer in the decode layout (the prefill's fits)
+    pair = pair_bytes("q8_0", "q4_0", SPEC.n_kv_heads, SPEC.head_dim)
+    nbytes = max(ArenaPlan(slabs["decode"], ring, pair).bytes(SPEC.n_layers * resident),
+                 ArenaPlan(slabs["prefill"], ring, pair).bytes(SPEC.n_layers * 2))
+    return make_cache(cfg, ArenaConfig(str(nbytes / MIB)), model, MAX_TOKENS, CHUNK, verify_width=WIDTH,
+                      slabs=slabs if model.device.type == "cuda" else None)
 
 
 def decode(model, cache, tokens, each_step=None):
