@@ -181,11 +181,33 @@ class DraftConfig:
 
 
 @dataclass
+class MTPConfig:
+    source: str | None = None  # the head's GGUF (experiments.train_mtp writes one for its target)
+    type_k: str = "f16"        # the head's KV types (its one layer, pinned in the arena with its weights)
+    type_v: str = "f16"
+    n_min: int = 0             # drafts shorter than this are dropped
+    p_min: float = 0.0         # stop drafting when the head's top probability falls below it (0: never)
+
+    def check(self, n_max: int) -> None:
+        """Run by ``SpecConfig`` when the chain has an MTP head."""
+        if not self.source:
+            raise ValueError("spec.mtp.source is not set: give the head's GGUF (python -m experiments.train_mtp "
+                             "writes one)")
+        _choose("spec.mtp.type_k", self.type_k, KV_TYPES)
+        _choose("spec.mtp.type_v", self.type_v, KV_TYPES)
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"spec.mtp.p_min={self.p_min}: a probability in [0, 1] (0: never stop early)")
+        if not 0 <= self.n_min <= n_max:
+            raise ValueError(f"spec.mtp.n_min={self.n_min}: a number of draft tokens in 0..spec.n_max ({n_max})")
+
+
+@dataclass
 class SpecConfig:
     type: str = "none"         # none | a speculator | a comma chain in priority order: ngram-simple,draft
     n_max: int = 15            # most draft tokens per round (a verify batch is 1 + n_max <= 16 tokens)
     synthetic_acceptance: float | None = None  # alpha: keep each draft token with this probability (timing only)
     draft: DraftConfig = field(default_factory=DraftConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
 
     def __post_init__(self):  # the numbers only where speculation reads them
         try:
@@ -201,6 +223,10 @@ class SpecConfig:
             raise ValueError(f"spec.synthetic_acceptance={a}: a probability in [0, 1], or null for real verification")
         if "draft" in chain:
             self.draft.check(self.n_max)
+        if "mtp" in chain:
+            self.mtp.check(self.n_max)
+        if "draft" in chain and "mtp" in chain:
+            raise ValueError(f"spec.type={self.type!r}: one pinned drafter at a time, the draft model or the MTP head")
 
 
 @dataclass

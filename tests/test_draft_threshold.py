@@ -112,7 +112,8 @@ def test_every_group_option_composes(group):
         if group == "hardware" and option != "cpu":
             continue  # a CUDA device is checked at typing time; the file itself composes below
         with initialize_config_module("conf", version_base=None):
-            needs = ["policy.keep_pages=64"] if (group, option) == ("policy", "keep_pages") else []  # no default
+            needs = {("policy", "keep_pages"): ["policy.keep_pages=64"],  # no default
+                     ("spec", "mtp"): ["spec.mtp.source=head.gguf"]}.get((group, option), [])
             cfg = compose("generate", overrides=[f"{group}={option}", *needs])
             typed = to_typed(cfg, GenerateConfig)
         # every value the option's file sets reaches the typed config (nested: spec.draft)

@@ -249,7 +249,7 @@ class DraftControl:
                 self.cache.rearrange(lambda: self.draft.pin(self.cache.arena))
             moved = self.cache.stats.h2d_bytes
             if action is Action.REENABLE:  # the draft's weights and KV pages came back too
-                moved += self.draft.host.nbytes + self.draft.cache.stats.h2d_bytes
+                moved += self.draft.host_nbytes + self.draft.cache.stats.h2d_bytes
         finally:
             for c, st in zip(caches, kept):
                 c.stats = st

@@ -53,24 +53,30 @@ def sync_device(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def prefill(model, cache, prompt: list[int], chunk: int) -> torch.Tensor:
-    """Run the prompt through the model in chunks of ``chunk`` tokens; return the last logits [vocab]."""
+def prefill(model, cache, prompt: list[int], chunk: int, observe=None) -> torch.Tensor:
+    """Run the prompt through the model in chunks of ``chunk`` tokens; return the last logits [vocab].
+    ``observe(h, next_tokens, start)``: each chunk's hidden states (an MTP head's rows)."""
     if not prompt:
         raise ValueError("the prompt is empty: at least one token is needed to start decoding")
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
     ids = torch.tensor(prompt, dtype=torch.long, device=model.device)
     for lo in range(0, len(prompt), chunk):
-        logits = model(ids[lo:lo + chunk], cache)
+        if observe is None:
+            logits = model(ids[lo:lo + chunk], cache)
+        else:
+            logits, h = model(ids[lo:lo + chunk], cache, hidden=True)
+            observe(h, prompt[lo + 1:lo + chunk + 1], lo)
     return logits[-1]
 
 
-def prefill_phase(model, cache, prompt: list[int], chunk: int) -> tuple[torch.Tensor, float]:
-    """The prefill phase, timed: the prompt in chunks, then the cache switches to decode.
-    Returns the last logits [vocab] and the seconds it took (device synchronised)."""
+def prefill_phase(model, cache, prompt: list[int], chunk: int, observe=None) -> tuple[torch.Tensor, float]:
+    """The prefill phase, timed: the prompt in chunks (``observe``: as ``prefill``), then the
+    cache switches to decode. Returns the last logits [vocab] and the seconds it took (device
+    synchronised)."""
     sync_device(model.device)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, prompt, chunk)
+    logits = prefill(model, cache, prompt, chunk, observe)
     cache.set_phase("decode")
     sync_device(model.device)
     return logits, time.perf_counter() - t0

@@ -135,14 +135,14 @@ class GraphedModel:
 
 
 def warm_widths(step, cache, widths) -> None:
-    """Run each decode (width, all_logits) once at the cache's end and roll it back (CUDA only):
+    """Run each decode (width, all_logits[, hidden]) once at the cache's end and roll it back (CUDA only):
     Triton compiles each kernel variant (the attention kernel per query count) and a
     GraphedModel captures each width here, in setup, not in the first timed steps that use
     them. Rows written past the length are dropped by the rollback, as a rejected draft's are."""
     if step.device.type != "cuda":
         return
     n = cache.length
-    for width, all_logits in widths:
+    for width, all_logits, *hidden in widths:
         if n + width <= getattr(cache, "max_tokens", n + width):
-            step(torch.zeros(width, dtype=torch.long, device=step.device), cache, all_logits)
+            step(torch.zeros(width, dtype=torch.long, device=step.device), cache, all_logits, *hidden)
             cache.truncate(n)

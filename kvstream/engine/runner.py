@@ -7,6 +7,7 @@ loaded on first use and kept (``DraftHosts``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from policies import chain_order, draft_length, eject
@@ -16,7 +17,8 @@ from kvstream.config import GenerateConfig, PolicyConfig
 from kvstream.engine.graphs import GraphedModel
 from kvstream.engine.draft_control import DraftControl
 from kvstream.engine.generate import Generation, generate
-from kvstream.model.registry import resolve_model
+from kvstream.model.mtp_gguf import load_head
+from kvstream.model.registry import MODELS, resolve_model, sha256_file
 from kvstream.model.sampling import Sampler
 from kvstream.engine.speculative import speculative_generate
 from kvstream.speculators.chain import Chain, build_chain
@@ -37,6 +39,18 @@ class DraftHosts(dict):
 
 
 DRAFT_HOSTS = DraftHosts()
+
+
+def mtp_head(source: str, target, target_source: str):
+    """An MTP head for ``target`` from its GGUF (``load_head`` refuses one made for another target)."""
+    path = resolve_model(target_source)
+    sha = MODELS[target_source].sha256 if target_source in MODELS else _sha256(path)
+    return load_head(source, target, sha)[0]
+
+
+@functools.cache
+def _sha256(path) -> str:
+    return sha256_file(path)
 
 
 @dataclass
@@ -67,32 +81,36 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
     """Decode ``cfg.max_new_tokens`` after ``prompt`` as ``cfg`` says."""
     spec, max_tokens = cfg.spec, cache_tokens(len(prompt), cfg.max_new_tokens, cfg.spec, model.cfg.context_length)
     speculating = spec.type != "none"
-    drafting = speculating and "draft" in parse_chain_spec(spec.type)
+    chain_names = parse_chain_spec(spec.type) if speculating else []
     graphs = cfg.engine.cuda_graphs and model.device.type == "cuda"
     step = GraphedModel(model) if graphs else model  # the same forward pass, captured or eager
     stop = () if cfg.ignore_eos else tok.eog_ids
     sampler = Sampler(cfg.sampling, cfg.hardware.device)
     options = {}
-    if drafting:
+    if "draft" in chain_names:
         d = spec.draft
         # the draft reads the target's positions: the target's rope overrides (YaRN past the original context)
         options["draft"] = dict(host=hosts.get_host(d.source, tok, model.dtype, model.device, cfg.model.rope),
                                 device=model.device,
                                 max_tokens=max_tokens, type_k=d.type_k, type_v=d.type_v, window=d.window,
                                 n_min=d.n_min, p_min=d.p_min, chunk=d.chunk, sampling=cfg.sampling, graphs=graphs)
+    if "mtp" in chain_names:
+        m = spec.mtp
+        options["mtp"] = dict(head=mtp_head(m.source, model, cfg.model.source), device=model.device,
+                              max_tokens=max_tokens, type_k=m.type_k, type_v=m.type_v, p_min=m.p_min, n_min=m.n_min)
     chain = build_chain(spec.type, options) if speculating else None
+    pinned = next((chain.get(n) for n in ("draft", "mtp") if n in options), None)  # the one pinned drafter
     cache = make_cache(cfg.cache, cfg.arena, model, max_tokens, cfg.prefill_chunk,
                        verify_width=1 + spec.n_max if speculating else 1,
                        # only an automatic arena sizes itself around the draft (on CUDA the estimate
                        # measures the draft's slabs with its weights on the device for a moment)
-                       pinned_bytes=chain.get("draft").estimated_bytes()
-                       if "draft" in options and cfg.arena.mib == "auto" else 0)
+                       pinned_bytes=pinned.estimated_bytes() if pinned is not None and cfg.arena.mib == "auto" else 0)
     if not speculating:
         return RunResult(generate(step, cache, prompt, cfg.max_new_tokens, sampler, stop_ids=stop,
                                   prefill_chunk=cfg.prefill_chunk, on_token=on_token), None, None, cache)
     control = None
-    if "draft" in options:
-        control = DraftControl(chain.get("draft"), cache, eject_policy(cfg.policy), measure_in_place=len(chain) == 1)
+    if pinned is not None:
+        control = DraftControl(pinned, cache, eject_policy(cfg.policy), measure_in_place=len(chain) == 1)
     p = cfg.policy
     g = speculative_generate(
         step, cache, prompt, cfg.max_new_tokens, sampler, chain, n_max=spec.n_max, stop_ids=stop,

@@ -111,7 +111,8 @@ class _DeviceRound:
 
     def run(self, model, cache, chain, history: list[int], n: int, sampler: Sampler, alpha: float | None):
         """(kept tokens, valid draft tokens, draft seconds, verify seconds) of one round, or None
-        when the chain drafts on the host this round."""
+        when the chain drafts on the host this round. A drafter that reads the target's hidden
+        states (an MTP head) gets the kept rows' (``observe``)."""
         t0 = self._mark()
         drafted = chain.propose_device(history, n)
         if drafted is None:
@@ -123,14 +124,20 @@ class _DeviceRound:
         self.batch.send()
         batch = self.batch.dst[:1 + n]
         batch[1:].copy_(tokens)
-        logits = model(batch, cache, all_logits=True)
+        winner = chain.last_winner
+        hidden = getattr(winner, "wants_hidden", False)
+        out = model(batch, cache, all_logits=True, hidden=hidden)
+        logits, h = out if hidden else (out, None)
         rb = self.readbacks.get(n) or self.readbacks.setdefault(n, Readback(self.device, (2 * n + 3,), torch.long))
         rb.start(accept_on_device(logits, tokens, valid, sampler, alpha))
         t2 = self._mark()
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
-        chain.last_winner.read_device_round(toks, n_valid)
-        return toks[:accepted] + [top[accepted]], n_valid, self._between(t0, t1), self._between(t1, t2)
+        winner.read_device_round(toks, n_valid)
+        kept = toks[:accepted] + [top[accepted]]
+        if hidden:  # the kept rows' states: positions len(history) - 1 .. (the batch's first token on)
+            winner.observe(h[:len(kept)], kept, len(history) - 1)
+        return kept, n_valid, self._between(t0, t1), self._between(t1, t2)
 
 
 @dataclass
@@ -175,12 +182,15 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     rounds = _DeviceRound(dev, n_max) if on_device else None
     queued = None  # (cache length before it, its logits): a plain step queued ahead
     length_policy = length_policy or Fixed(n_max)
-    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
+    watchers = [s for s in chain if getattr(s, "wants_hidden", False)]  # speculators fed the target's states
+    observe = (lambda h, toks, start: [s.observe(h, toks, start) for s in watchers]) if watchers else None
+    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk, observe)
     t0 = time.perf_counter()
     chain.begin(prompt)  # a draft model reads the prompt here: part of the prefill phase
     sync_device(dev)
     prefill_s += time.perf_counter() - t0
-    warm_s = warm_up(model, cache, [(w, True) for w in range(1, n_max + 2)], chain.warm)
+    # verify widths (with the hidden states where a speculator reads them)
+    warm_s = warm_up(model, cache, [(w, True, bool(watchers)) for w in range(1, n_max + 2)], chain.warm)
     t1 = time.perf_counter()
     emit = on_token or (lambda t: None)
     out = [int(sampler(logits))]
@@ -209,13 +219,16 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             kept, n_drafted, draft_s, verify_s = done
             width, stats = 1 + n, cache.stats
         else:
+            h_round = None  # the verify's hidden states, for speculators that read them
             draft = chain.propose(prompt + out, n) if n > 0 and not plain else []
             n_drafted, width = len(draft), 1 + len(draft)
             draft_s = time.perf_counter() - ts
             if queued is not None:  # this round's step is already on the device
                 (start, logits, stats), queued = queued, None
             else:
-                logits = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True)
+                hidden = any(s.enabled for s in watchers)
+                res = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True, hidden=hidden)
+                logits, h_round = res if hidden else (res, None)
                 stats = cache.stats  # this step's (a queued next step gets its own)
             if ahead and plain and len(out) + 1 < max_new_tokens:
                 tok = sampler(logits[0])  # what accept() samples for a round without a draft, kept on the device
@@ -224,6 +237,8 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
                 kept = [int(readback.read())]
             else:
                 kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
+                if h_round is not None:
+                    observe(h_round[:len(kept)], kept, start)
         kept = kept[:next((i + 1 for i, t in enumerate(kept) if t in stop), len(kept))]  # nothing after a stop
         kept = kept[:max_new_tokens - len(out)]  # the chain then rolls back what ran past the end
         if queued is None:  # (a step queued after a stop token is rolled back after the loop)

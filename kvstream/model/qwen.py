@@ -95,7 +95,8 @@ class Qwen:
     def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
         """The device side of ``forward`` between ``cache.begin`` and ``cache.commit``: no host
         decisions, no host syncs, so a decode step can be captured as a CUDA graph. ``hidden``:
-        return ``(logits, h)`` with h the residual stream before the final norm (an MTP head's input)."""
+        return ``(logits, h)`` with h every row's residual stream before the final norm (an MTP
+        head's input), the logits the last row's unless ``all_logits``."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_eps
         n = tokens.shape[0]
         cache.start_step()
@@ -115,10 +116,10 @@ class Qwen:
             a = cache.attend(i, qk[:, :H], qk[:, H:], v).reshape(n, H * D)
             x, h = ops.add_rms_norm(x, L.ffn_norm, eps, F.linear(a, L.wo))
             delta = F.linear(ops.silu_mul(F.linear(h, L.w_gate_up)), L.w_down)
-        if not all_logits:
+        if not all_logits and not hidden:
             x, delta = x[-1:], delta[-1:]
         x, h = ops.add_rms_norm(x, self.out_norm, eps, delta)
-        logits = F.linear(h, self.lm_head).float()
+        logits = F.linear(h if all_logits else h[-1:], self.lm_head).float()
         cache.end_step()
         return (logits, x) if hidden else logits
 

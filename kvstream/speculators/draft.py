@@ -115,6 +115,11 @@ class DraftModel(Speculator):
 
     # ---- arena ------------------------------------------------------------------------
 
+    @property
+    def host_nbytes(self) -> int:
+        """The weights a re-enable copies in."""
+        return self.host.nbytes
+
     def estimated_bytes(self) -> int:
         """What ``pin`` will take, before pinning (for ``arena.mib=auto``): weights with their
         alignment, and the KV region with its compute slabs (measured here on CUDA, with the

@@ -38,6 +38,7 @@ BUILTIN_MODULES: list[str] = [
     "kvstream.speculators.ngram_map_k",
     "kvstream.speculators.ngram_mod",
     "kvstream.speculators.draft",
+    "kvstream.speculators.mtp",
 ]
 
 NONE = "none"

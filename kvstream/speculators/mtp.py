@@ -1,0 +1,197 @@
+"""The MTP-head speculator (``spec.type=mtp``): one decoder block that drafts from the target's
+own hidden states (``kvstream.model.mtp``), pinned in the target's arena like the draft model.
+
+Its own weights and its one layer of KV pages live in the arena's pinned region (views into the
+one allocation, ``pin``); the embedding, final norm and LM head are the target's, shared. An eject
+gives those bytes back to the target's page pool and a re-enable pins them again from the host
+copy of the weights, the head's KV coming back from its own host store (a resident paged cache:
+every committed row is on the host too).
+
+The head's KV row at position t + 1 is made from the target's pre-norm state at t and the token at
+t + 1, so it follows the target: the engine hands it every committed row's hidden state
+(``observe``: prefill chunks, then each round's accepted rows from the verify pass). A round
+drafts ``n`` tokens as a chain: the first step reads the rows committed since the last round, the
+last of which starts the draft; each later step feeds its own output state and token. Drafted rows
+are rolled back after verification (``_accepted``); the committed rows come with the next round.
+While ejected the head sees no rows: after a re-enable its KV lacks the rows of the tokens decoded
+meanwhile (drafting stays lossless; only its attention over that stretch is missing).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kernels.decode_attention import MAX_N_Q
+
+from kvstream.cache.arena import Arena, pins_bytes
+from kvstream.cache.factory import paged_bytes
+from kvstream.cache.paged import PagedCache
+from kvstream.cache.paged_staging import PinnedUpload
+from kvstream.model.mtp import MTPHead
+from kvstream.speculators.base import Speculator
+from kvstream.speculators.registry import register
+
+
+class MTPDraft(Speculator):
+    """Drafts with an MTP head; ``pin``/``eject`` move its weights and KV in and out of an arena."""
+
+    name = "mtp"
+    wants_hidden = True  # the engine passes it the target's hidden states (``observe``)
+
+    def __init__(self, head: MTPHead, device: str | torch.device, *, max_tokens: int, type_k: str = "f16",
+                 type_v: str = "f16", p_min: float = 0.0, n_min: int = 0):
+        super().__init__()
+        self.head, self.device = head, torch.device(device)
+        self.type_k, self.type_v, self.p_min, self.n_min = type_k, type_v, p_min, n_min
+        self.kv_tokens = max_tokens + 16  # + a round's drafted rows beyond the history
+        # the host copy the weights are (re-)pinned from; the head's parameters point into the arena while pinned
+        pin = self.device.type == "cuda"
+        self.host_weights = {k: p.detach().to("cpu").pin_memory() if pin else p.detach().clone()
+                             for k, p in head.named_parameters()}
+        self.cache: PagedCache | None = None
+        self.pinned_bytes = 0
+        self.enabled = False  # until pinned
+        self.committed = 0  # rows of the head's KV that are committed history (positions 1..committed)
+        self._rows: tuple[torch.Tensor, list[int], int] | None = None  # (h, next tokens, first position): not yet fed
+        self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
+        self._round = 0
+
+    # ---- arena ------------------------------------------------------------------------
+
+    @property
+    def host_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.host_weights.values())
+
+    def _kv_bytes(self) -> int:
+        """Its one layer of KV pages, every page resident (no compute slab: its buffers are the allocator's)."""
+        c = self.head.cfg
+        one_layer = SimpleNamespace(n_layers=1, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+        return paged_bytes(one_layer, self.type_k, self.type_v, self.kv_tokens, 0)
+
+    def estimated_bytes(self) -> int:
+        """What ``pin`` takes: the head's own weights with their alignment, and its KV region."""
+        return pins_bytes([t.nbytes for t in self.host_weights.values()]) + self._kv_bytes()
+
+    def pin(self, arena: Arena) -> int:
+        """Pin the head's weights and KV into ``arena``'s pinned region; returns the bytes."""
+        self._mark, before = arena.mark(), arena.pinned_bytes
+        for k, p in self.head.named_parameters():
+            src = self.host_weights[k]
+            p.data = arena.pin("mtp." + k, tuple(src.shape), src.dtype).copy_(src, non_blocking=True)
+        kv = arena.pin("mtp.kv", (self._kv_bytes(),), torch.uint8)
+        c = self.head.cfg
+        if self.cache is None:
+            self.cache = PagedCache(n_layers=1, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=self.kv_tokens,
+                                    type_k=self.type_k, type_v=self.type_v, mode="resident", arena=Arena.over(kv),
+                                    ring_pages=0, slabs={"prefill": 0, "decode": 0})  # prefill phase: any width
+        else:
+            self.cache.move_to(Arena.over(kv))
+        self.pinned_bytes = arena.pinned_bytes - before
+        self.enabled = True
+        return self.pinned_bytes
+
+    def eject(self, arena: Arena) -> int:
+        """Give the pinned bytes back; the head's KV stays on the host. Returns the bytes freed."""
+        if self.cache is not None:
+            self.cache.wait_write_backs()  # its write-backs still read the bytes being given back
+        for p in self.head.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # nothing may read the arena's bytes now
+        self.enabled = False
+        self._rows = None  # rows seen while pinned but not fed: lost with the eject (the gap, module docstring)
+        return arena.reset(self._mark)
+
+    # ---- the target's rows --------------------------------------------------------------
+
+    def observe(self, h: torch.Tensor, tokens: list[int], start: int) -> None:
+        """Committed target rows: ``h`` [m, d] the pre-norm states at positions start..start+m-1,
+        ``tokens`` the m tokens at positions start+1.. (the last may be the one just sampled).
+        Their KV rows are made at the next round (prefill chunks: at once, all but the last)."""
+        if not self.enabled:
+            return
+        if self._rows is not None:  # a prefill chunk after another: feed the earlier rows now
+            ph, pt, ps = self._rows
+            self._feed(ph, pt, ps)
+        self._rows = (h, list(tokens), start)
+
+    def _feed(self, h: torch.Tensor, tokens: list[int], start: int):
+        """Append the rows (their KV) at positions start+1.. (after a gap, their own positions);
+        returns the last row's (logits, block output, position)."""
+        if len(tokens) <= MAX_N_Q:  # a round's rows: from a pinned buffer (a pageable copy would sync the host)
+            stage = self._ids.stage()
+            stage[:len(tokens)] = torch.tensor(tokens)
+            self._ids.send()
+            ids = self._ids.dst[:len(tokens)]
+        else:  # prefill chunks
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(start + 1, start + 1 + len(tokens), device=self.device)
+        logits, g = self.head.step(h.to(self.head.eh_proj.dtype), ids, pos, self.cache)
+        self.committed = self.cache.length
+        return logits[-1:], g[-1:], pos[-1:]
+
+    # ---- drafting -----------------------------------------------------------------------
+
+    def _draft(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """n greedy draft tokens and their top probabilities, on the device (no host sync)."""
+        if self._rows is None or not self.enabled:
+            return None
+        h, toks, start = self._rows
+        self._rows = None
+        if len(toks) == h.shape[0] - 1:  # the prefill's last row: its token is the one sampled after it
+            toks = toks + [history[-1]]
+        logits, g, pos = self._feed(h, toks, start)
+        tokens = torch.empty(n, dtype=torch.long, device=self.device)
+        top = torch.ones(n, dtype=torch.float32, device=self.device)
+        for i in range(n):
+            if self.p_min > 0:
+                p, t = torch.softmax(logits[-1].float(), -1).max(-1)
+                top[i] = p
+            else:
+                t = logits[-1].argmax(-1)
+            tokens[i] = self.head.to_target(t)
+            if i + 1 < n:
+                pos = pos + 1
+                logits, g = self.head.step(g, tokens[i:i + 1], pos, self.cache)
+        self._round = n
+        return tokens, top
+
+    def propose_device(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``DraftModel.propose_device``'s contract: (tokens [n], valid [n]) without a host sync."""
+        out = self._draft(history, n)
+        if out is None:
+            return None
+        self.stats.calls += 1
+        tokens, top = out
+        valid = torch.cumprod((top >= self.p_min).int(), 0)
+        return tokens, (valid * (valid.sum() >= max(1, self.n_min))).bool()
+
+    def read_device_round(self, tokens: list[int], n_valid: int) -> None:
+        self._round = 0
+        if n_valid:
+            self.stats.drafts += 1
+            self.stats.drafted_tokens += n_valid
+
+    def _propose(self, history: list[int], n_max: int, state) -> list[int]:
+        out = self._draft(list(history), n_max)
+        if out is None:
+            return []
+        tokens, top = out
+        draft = []
+        for t, p in zip(tokens.tolist(), top.tolist()):  # the host path: one read for the whole draft
+            if p < self.p_min:
+                break
+            draft.append(t)
+        if len(draft) < max(1, self.n_min):
+            self._accepted(0, 0)
+            return []
+        return draft
+
+    def _accepted(self, n_drafted: int, n_accepted: int) -> None:
+        self.cache.truncate(self.committed)  # drafted rows go; the accepted ones come back as committed rows
+
+
+@register("mtp")
+def _factory(head: MTPHead, device: str | torch.device = "cpu", max_tokens: int = 4096, **options) -> MTPDraft:
+    """``spec.type=mtp``: ``head`` from ``kvstream.model.mtp_gguf.load_head``; ``options`` as :class:`MTPDraft`."""
+    return MTPDraft(head, device, max_tokens=max_tokens, **options)

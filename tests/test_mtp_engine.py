@@ -1,0 +1,118 @@
+"""The MTP head as a speculator (spec.type=mtp) on a tiny random target: lossless greedy drafting
+on the host and on the device, pinned in the arena and ejectable, from the config through the
+runner, in a chain, and the config's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstream.cache.arena import MIB, ArenaPlan
+from kvstream.cache.factory import make_cache, phase_slabs
+from kvstream.config import ArenaConfig, CacheConfig, GenerateConfig, ModelSource, SpecConfig, MTPConfig, to_typed
+from kvstream.engine.draft_control import DraftControl
+from kvstream.engine.generate import generate
+from kvstream.engine.runner import run_decode
+from kvstream.engine.speculative import speculative_generate
+from kvstream.model.mtp import MTPHead
+from kvstream.model.mtp_gguf import write_head
+from kvstream.model.qwen import load_model
+from kvstream.model.registry import sha256_file
+from kvstream.model.sampling import Sampler, SamplingParams
+from kvstream.model.tokenizer import Tokenizer
+from kvstream.speculators.chain import Chain, build_chain
+from kvstream.speculators.mtp import MTPDraft
+from policies.eject import Never
+from test_draft import Scripted
+from test_paged_cache import SPEC, pair_bytes
+from tiny_gguf import write_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = torch.randint(0, 357, (700,), generator=torch.Generator().manual_seed(11)).tolist()
+NEW, CHUNK = 40, 64
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp_engine")
+    target = write_tiny_model(tmp / "t.gguf", SPEC)
+    head = MTPHead(load_model(target), seed=2)
+    write_head(tmp / "head.gguf", head, sha256_file(target), {"command": "test", "tokens_seen": 0}, "f32")
+    return target, tmp / "head.gguf"
+
+
+@pytest.fixture(scope="module")
+def model(files):
+    return load_model(files[0])
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    cache = make_cache(CacheConfig(mode="resident"), ArenaConfig(), model, 1024, CHUNK)
+    return generate(model, cache, PROMPT, NEW, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
+
+
+def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None):
+    from kvstream.engine.runner import mtp_head
+    head = mtp_head(str(files[1]), model, str(files[0]))
+    mtp = MTPDraft(head, "cpu", max_tokens=1024)
+    # an arena whose decode layout, the head pinned, holds 2 pages per layer: the decode streams
+    cc = CacheConfig(mode="stream", ring_pages="4")
+    slabs = phase_slabs(cc, model, 2048, CHUNK, 1 + n_max)
+    nbytes = max(ArenaPlan(slabs[phase], 4, pair_bytes(), mtp.estimated_bytes()).bytes(SPEC.n_layers * 2)
+                 for phase in ("prefill", "decode"))
+    cache = make_cache(cc, ArenaConfig(str(nbytes / MIB)), model, 2048, CHUNK, verify_width=1 + n_max)
+    chain = Chain([mtp]) if chain is None else Chain(chain(mtp))
+    control = DraftControl(mtp, cache, policy or Never(), measure_in_place=len(chain) == 1)
+    g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), chain, n_max=n_max, prefill_chunk=CHUNK,
+                             control=control, device_rounds=device_rounds)
+    return g, mtp, control, cache
+
+
+@pytest.mark.parametrize("device_rounds", [False, True])
+def test_greedy_with_an_mtp_head_equals_plain_decoding(model, files, plain, device_rounds):
+    """The head drafts from the target's hidden states (prefill chunks, then each round's kept rows)
+    and its drafts are verified: the tokens are plain decoding's. Its KV holds one row per
+    committed position after the first (drafted rows rolled back)."""
+    g, mtp, control, cache = run_mtp(model, files, device_rounds=device_rounds)
+    assert g.tokens == plain
+    assert mtp.stats.drafts > 0 and all(r.draft_active for r in g.records)
+    # only committed rows (drafted ones rolled back), at most one round's kept rows behind the target
+    assert mtp.cache.length == mtp.committed and 0 <= cache.length - mtp.cache.length <= 1 + 4
+
+
+def test_the_head_lives_in_the_arena_and_an_eject_gives_its_bytes_to_the_pages(model, files, plain):
+    """Pinned: its own weights and its KV pages are views into the target's arena, and they count
+    against the pages the target can keep resident; an eject and a re-enable mid-run leave the
+    tokens plain decoding's."""
+    g, mtp, control, cache = run_mtp(model, files, policy=Scripted(at=3, back=8))
+    assert g.tokens == plain and [t.action for t in control.transitions] == ["eject", "reenable"]
+    lo, hi = cache.arena.buf.data_ptr(), cache.arena.buf.data_ptr() + cache.arena.nbytes
+    assert all(lo <= p.data_ptr() < hi for p in mtp.head.parameters())
+    assert control.capacity_without > control.capacity_with
+    assert mtp.host_nbytes + mtp._kv_bytes() <= mtp.pinned_bytes <= mtp.estimated_bytes()  # the estimate holds
+
+
+def test_an_mtp_head_in_a_chain_with_an_ngram_drafter(model, files, plain):
+    from kvstream.speculators.ngram_simple import NgramSimple
+    g, mtp, *_ = run_mtp(model, files, chain=lambda mtp: [NgramSimple(), mtp])
+    assert g.tokens == plain and mtp.stats.calls > 0
+
+
+def test_spec_type_mtp_through_the_runner(model, files, plain):
+    cfg = GenerateConfig(model=ModelSource(str(files[0])), cache=CacheConfig(mode="stream", ring_pages="4"),
+                         spec=SpecConfig(type="mtp", n_max=4, mtp=MTPConfig(source=str(files[1]))),
+                         prompt="x", max_new_tokens=NEW, ignore_eos=True, prefill_chunk=CHUNK)
+    from kvstream.model.loader import open_gguf
+    res = run_decode(cfg, model, Tokenizer.from_gguf(open_gguf(files[0])), PROMPT)
+    assert res.generation.tokens == plain and res.chain.get("mtp").stats.drafts > 0 and res.control is not None
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(type="mtp"), r"spec.mtp.source is not set"),
+    (dict(type="draft,mtp", mtp=MTPConfig(source="h.gguf")), r"one pinned drafter at a time"),
+    (dict(type="mtp", mtp=MTPConfig(source="h.gguf", p_min=2.0)), r"spec.mtp.p_min=2.0"),
+])
+def test_the_mtp_config_is_checked(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SpecConfig(**kw)
