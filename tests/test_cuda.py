@@ -640,3 +640,21 @@ def test_no_cache_copies_on_the_capture_stream(tmp_path):
     side = side_stream(m.device).cuda_stream
     for _ in range(20):  # each makes 2 or more streams (its reserve passes): more than the pool has
         assert t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8).copier.stream.cuda_stream != side
+
+
+def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path):
+    """spec.type=mtp on CUDA: captured verify steps with their hidden states, device rounds, the
+    head pinned in the arena: the tokens equal plain decoding's."""
+    import test_mtp_engine as t
+    from kvstream.engine.graphs import GraphedModel
+    from kvstream.model.mtp import MTPHead
+    from kvstream.model.mtp_gguf import write_head
+    from kvstream.model.registry import sha256_file
+
+    target = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
+    m = load_model(target, torch.float32, "cuda")
+    write_head(tmp_path / "h.gguf", MTPHead(load_model(target), seed=2), sha256_file(target), {"command": "test"}, "f32")
+    cache = t.make_cache(t.CacheConfig(mode="resident"), t.ArenaConfig(), m, 1024, t.CHUNK)
+    plain = generate(m, cache, t.PROMPT, t.NEW, Sampler(t.GREEDY, "cuda"), prefill_chunk=t.CHUNK).tokens
+    g, mtp, _, cache = t.run_mtp(m, (target, tmp_path / "h.gguf"), device_rounds=True, step=GraphedModel(m))
+    assert g.tokens == plain and mtp.stats.drafts > 0

@@ -52,10 +52,12 @@ def plain(model):
     return generate(model, cache, PROMPT, NEW, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
 
 
-def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None):
+def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None, step=None):
+    """A greedy decode with the head pinned in a stream cache's arena (``step``: the model, or a
+    GraphedModel of it)."""
     from kvstream.engine.runner import mtp_head
     head = mtp_head(str(files[1]), model, str(files[0]))
-    mtp = MTPDraft(head, "cpu", max_tokens=1024)
+    mtp = MTPDraft(head, model.device, max_tokens=1024)
     # an arena whose decode layout, the head pinned, holds 2 pages per layer: the decode streams
     cc = CacheConfig(mode="stream", ring_pages="4")
     slabs = phase_slabs(cc, model, 2048, CHUNK, 1 + n_max)
@@ -64,8 +66,8 @@ def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None)
     cache = make_cache(cc, ArenaConfig(str(nbytes / MIB)), model, 2048, CHUNK, verify_width=1 + n_max)
     chain = Chain([mtp]) if chain is None else Chain(chain(mtp))
     control = DraftControl(mtp, cache, policy or Never(), measure_in_place=len(chain) == 1)
-    g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), chain, n_max=n_max, prefill_chunk=CHUNK,
-                             control=control, device_rounds=device_rounds)
+    g = speculative_generate(step or model, cache, PROMPT, NEW, Sampler(GREEDY, model.device), chain, n_max=n_max,
+                             prefill_chunk=CHUNK, control=control, device_rounds=device_rounds)
     return g, mtp, control, cache
 
 
