@@ -9,7 +9,7 @@ import torch
 
 from kvstream.cache.arena import MIB, ArenaPlan
 from kvstream.cache.factory import make_cache, phase_slabs
-from kvstream.config import ArenaConfig, CacheConfig, GenerateConfig, ModelSource, SpecConfig, MTPConfig, to_typed
+from kvstream.config import ArenaConfig, CacheConfig, GenerateConfig, ModelSource, MTPConfig, SpecConfig
 from kvstream.engine.draft_control import DraftControl
 from kvstream.engine.generate import generate
 from kvstream.engine.runner import run_decode
@@ -20,7 +20,7 @@ from kvstream.model.qwen import load_model
 from kvstream.model.registry import sha256_file
 from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.model.tokenizer import Tokenizer
-from kvstream.speculators.chain import Chain, build_chain
+from kvstream.speculators.chain import Chain
 from kvstream.speculators.mtp import MTPDraft
 from policies.eject import Never
 from test_draft import Scripted

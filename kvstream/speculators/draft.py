@@ -40,6 +40,7 @@ from kvstream.engine.readback import Readback
 from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.model.tokenizer import gguf_metadata
 from kvstream.speculators.base import Speculator
+from kvstream.speculators.pinned import pin_kv, unpin
 from kvstream.speculators.registry import register
 
 TOKENS = "tokenizer.ggml.tokens"
@@ -161,27 +162,17 @@ class DraftModel(Speculator):
             self._graphed.model = self.model
             self.model = self._graphed
         c = self.model.cfg
-        kv = arena.pin("draft.kv", (self._kv_bytes(c),), torch.uint8)
-        if self.cache is None:
-            self.cache = PagedCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                                    max_tokens=self.kv_tokens, type_k=self.type_k, type_v=self.type_v, mode="resident",
-                                    arena=Arena.over(kv), ring_pages=0, slabs=self.slabs, both_slabs=True)
-        else:
-            self.cache.move_to(Arena.over(kv))
-        self.pinned_bytes = arena.pinned_bytes - before
-        self.enabled = True
-        return self.pinned_bytes
+        return pin_kv(self, arena, self._kv_bytes(c), before, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads,
+                      head_dim=c.head_dim, max_tokens=self.kv_tokens, type_k=self.type_k, type_v=self.type_v,
+                      slabs=self.slabs, both_slabs=True)
 
     def eject(self, arena: Arena) -> int:
         """Give the pinned bytes back; the draft KV stays on the host. Returns the bytes freed.
         The captured graphs stay: their buffers are in the draft's step slab, which the target's
         pages now overwrite, but a replay writes every buffer it reads, and none runs before a
         re-enable pins the weights, KV and slabs at the same addresses again."""
-        if self.cache is not None:
-            self.cache.wait_write_backs()  # its write-backs still read the bytes being given back
         self.model = None
-        self.enabled = False
-        return arena.reset(self._mark)
+        return unpin(self, arena)
 
     # ---- drafting -----------------------------------------------------------------------
 

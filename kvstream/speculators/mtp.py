@@ -29,6 +29,7 @@ from kvstream.cache.arena import Arena, pins_bytes
 from kvstream.cache.factory import paged_bytes
 from kvstream.cache.paged import PagedCache
 from kvstream.cache.paged_staging import PinnedUpload
+from kvstream.speculators.pinned import pin_kv, unpin
 from kvstream.model.mtp import MTPHead
 from kvstream.speculators.base import Speculator
 from kvstream.speculators.registry import register
@@ -80,27 +81,18 @@ class MTPDraft(Speculator):
         for k, p in self.head.named_parameters():
             src = self.host_weights[k]
             p.data = arena.pin("mtp." + k, tuple(src.shape), src.dtype).copy_(src, non_blocking=True)
-        kv = arena.pin("mtp.kv", (self._kv_bytes(),), torch.uint8)
         c = self.head.cfg
-        if self.cache is None:
-            self.cache = PagedCache(n_layers=1, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=self.kv_tokens,
-                                    type_k=self.type_k, type_v=self.type_v, mode="resident", arena=Arena.over(kv),
-                                    ring_pages=0, slabs={"prefill": 0, "decode": 0})  # prefill phase: any width
-        else:
-            self.cache.move_to(Arena.over(kv))
-        self.pinned_bytes = arena.pinned_bytes - before
-        self.enabled = True
-        return self.pinned_bytes
+        # no compute slab (its buffers are the allocator's); the prefill phase takes any width
+        return pin_kv(self, arena, self._kv_bytes(), before, n_layers=1, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                      max_tokens=self.kv_tokens, type_k=self.type_k, type_v=self.type_v,
+                      slabs={"prefill": 0, "decode": 0})
 
     def eject(self, arena: Arena) -> int:
         """Give the pinned bytes back; the head's KV stays on the host. Returns the bytes freed."""
-        if self.cache is not None:
-            self.cache.wait_write_backs()  # its write-backs still read the bytes being given back
         for p in self.head.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # nothing may read the arena's bytes now
-        self.enabled = False
         self._rows = None  # rows seen while pinned but not fed: lost with the eject (the gap, module docstring)
-        return arena.reset(self._mark)
+        return unpin(self, arena)
 
     # ---- the target's rows --------------------------------------------------------------
 
