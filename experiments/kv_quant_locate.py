@@ -241,6 +241,32 @@ def attn0_stats(bases: Path, out: Path) -> None:
     print(df.to_string(index=False), flush=True)
 
 
+def swap_report(out: Path) -> None:
+    """The issue's table with and without the Hadamard rotation, from committed CSVs: llama.cpp
+    (``<out>/llama_own``, ``<out>/llama_rot_off``: kv_quant_llama.py --llama-only, with and without
+    LLAMA_ATTN_ROT_DISABLE=1), kvstream (``<out>/../kv_quant_llama.csv``) and kvstream with the
+    rotation (``<out>/locate.csv``'s ``*_rot`` arms) -> ``summary.csv``."""
+    def llama(d):
+        df = pd.read_csv(out / d / "kv_quant_llama.csv")
+        return {(r.type_k, r.type_v): r.kld_mean for r in df[df.engine == "llama.cpp"].itertuples()}
+    kv = pd.read_csv(out.parent / "kv_quant_llama.csv")
+    kv = {(r.type_k, r.type_v): r.kld_mean for r in kv[kv.engine == "kvstream"].itertuples()}
+    loc = pd.read_csv(out / "locate.csv")
+    loc = loc[loc.against == "fp32"].drop_duplicates("arm", keep="last").set_index("arm").kld_mean
+    on, off = llama("llama_own"), llama("llama_rot_off")
+    rows = []
+    for tk, tv in on:
+        rot = loc.get(f"k{tk[:2]}_v{tv[:2]}_rot")  # q8_0 -> kq8
+        rows.append(dict(type_k=tk, type_v=tv, llama_rot_on=on[(tk, tv)], llama_rot_off=off[(tk, tv)],
+                         kvstream=kv[(tk, tv)], kvstream_rot=rot,
+                         kvstream_over_llama_rot_on=kv[(tk, tv)] / on[(tk, tv)],
+                         kvstream_over_llama_rot_off=kv[(tk, tv)] / off[(tk, tv)],
+                         kvstream_rot_over_llama_rot_on=None if rot is None else rot / on[(tk, tv)]))
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "summary.csv", index=False)
+    print(df.to_string(index=False), flush=True)
+
+
 KLD_COLS = ("kld_mean", "kld_mean_err", "kld_median", "kld_99.9", "same_top1", "ppl_ratio")
 COLS = ["arm", "against", "batch", "ppl", "ppl_err", *KLD_COLS, "seconds", "model", "text", "ctx", "n_chunks",
         "git_commit", "git_dirty", "device_name", "torch", "triton", "python", "command"]
@@ -261,7 +287,7 @@ def compare_files(base: Path, run: Path) -> dict:
 
 def main() -> None:
     ap = kv_quant_parser(__doc__.splitlines()[0], "results/kv_quant_cost/locate")
-    ap.add_argument("--arms", default="base,kq8_vq4,kq8,vq4", help=f"comma-separated, of {','.join(ARMS)},attn_err,attn_err_l0k_llama,k0_stats,attn0_stats")
+    ap.add_argument("--arms", default="base,kq8_vq4,kq8,vq4", help=f"comma-separated, of {','.join(ARMS)},attn_err,attn_err_l0k_llama,k0_stats,attn0_stats,swap_report")
     ap.add_argument("--bases", default="/tmp/kvq_bases", help="where the base runs' log-probs are kept between runs")
     args = ap.parse_args()
     path = resolve_model(args.model)
@@ -285,6 +311,9 @@ def main() -> None:
     for name in args.arms.split(","):
         if name in ("k0_stats", "attn0_stats"):
             (k0_stats if name == "k0_stats" else attn0_stats)(Path(args.bases), out)
+            continue
+        if name == "swap_report":
+            swap_report(out)
             continue
         if name in ("attn_err", "attn_err_l0k_llama"):  # the latter with llama.cpp's layer-0 K
             errors = []
