@@ -13,12 +13,14 @@ importable. Writes ``<out>/kv_quant_llama.csv``.
 
 The K swap (issue 33): ``--dump-k0 DIR`` writes llama.cpp's layer-0 K (``Kcur-0``, the RoPE
 output, before the cache quantizes it; f16 base arm) as ``DIR/llama_k0.npy`` [n_chunks, ctx,
-kv_heads, head_dim] for ``kv_quant_locate.py``'s ``k0`` arms, its Q as ``llama_q0.npy``, and each
-arm's layer-0 attention output (``kqv_out-0``) as ``llama_attn0_<K>_<V>.npy``; ``--inject-k0 FILE`` overwrites
-that tensor with FILE's rows (e.g. kvstream's, ``kv_quant_locate.py --arms dump_k0``) in every
-llama.cpp arm, so llama.cpp's KLDs are those of kvstream's layer-0 K. Both go through ggml's
-scheduler eval callback (``cb_eval``): a node's data can be read, and rewritten before any
-consumer runs, on the CPU backend.
+kv_heads, head_dim] for ``kv_quant_locate.py``'s ``k0`` arms, its Q as ``llama_q0.npy``, and
+each arm's layer-0 attention output (``kqv_out-0``) as ``llama_attn0_<K>_<V>.npy`` (in a quantized
+arm it is in llama.cpp's Hadamard-rotated basis: kv_quant_locate.py's ``rot``); ``--inject-k0
+FILE`` overwrites that tensor with FILE's rows (e.g. kvstream's, ``kv_quant_locate.py --arms
+dump_k0``) in every llama.cpp arm, so llama.cpp's KLDs are those of kvstream's layer-0 K. Both go
+through ggml's scheduler eval callback (``cb_eval``): a node's data can be read, and rewritten
+before any consumer runs, on the CPU backend. ``--llama-only`` skips kvstream's arms. The
+``llama_attn_rot`` column says whether llama.cpp rotated quantized K/V (``LLAMA_ATTN_ROT_DISABLE``).
 """
 
 from __future__ import annotations
