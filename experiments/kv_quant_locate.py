@@ -17,7 +17,7 @@ exactly), with one knob changed:
 - ``v_tokens``: V in blocks of 32 tokens per channel instead of 32 channels per token;
 - ``rot``: Q and K (when K is quantized) and V (when V is) multiplied by the orthonormal 64x64
   Walsh-Hadamard matrix before quantization, the attention output rotated back, as llama.cpp's
-  KV cache does for quantized types since ggml-org/llama.cpp#21038 (``attn_rot_k`` / ``attn_rot_v``,
+  KV cache does for quantized types (llama-cpp-python 0.3.36's; ``attn_rot_k`` / ``attn_rot_v``, cf. #21038,
   off with ``LLAMA_ATTN_ROT_DISABLE=1``): the rotation spreads K's outlier channels over the block;
 - ``k0``: layer 0's K (after RoPE, before quantization) replaced by the rows of an .npy file
   [n_chunks, ctx, kv_heads, head_dim], e.g. llama.cpp's (``kv_quant_llama.py --dump-k0``): does
