@@ -289,3 +289,27 @@ def compiled(fn) -> list:
         cache = caches[0] if isinstance(caches, tuple) else caches
         out += list(getattr(cache, "values", lambda: [])())
     return out
+
+
+def kv_quant_parser(description: str, out: str) -> "argparse.ArgumentParser":
+    """The quantized-KV studies' shared arguments (issue 33: kv_quant_llama, kv_quant_locate): the
+    model, the text, llama-perplexity's chunks, where the results go."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--text", default="/usr/lib/python3.11/argparse.py")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--n-chunks", type=int, default=4)
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+KLD_SUMMARY = ("ppl_ratio", "kld_mean", "kld_mean_err", "kld_median", "kld_99.9", "kld_max", "same_top1")
+
+
+def kld_summary(stats: dict, ppl_base: bool = False, kld_max: bool = True) -> dict:
+    """A run's KLD statistics (``KldResult.stats``, or a ``kvstream-ppl`` row's ``kld``) as result
+    columns, in KLD_SUMMARY's order (``kld_99.9`` named ``kld_99_9``), ppl_base first if asked."""
+    keys = (("ppl_base",) if ppl_base else ()) + tuple(k for k in KLD_SUMMARY if kld_max or k != "kld_max")
+    return {k.replace(".", "_"): stats[k] for k in keys}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 from hydra import compose, initialize_config_module
 
-from experiments.common import provenance
+from experiments.common import kld_summary, provenance
 from kvstream.cache.arena import ArenaPlan, pair_bytes
 from kvstream.cache.factory import reserve_slab
 from kvstream.cli.ppl import PplConfig, run
@@ -48,10 +48,8 @@ def ppl(overrides: list[str]) -> dict:
 
 def compared(arm: str, type_k: str, type_v: str, against: str, r: dict) -> dict:
     """A table row: a ``kvstream-ppl`` run ``r`` compared against the saved log-probs of ``against``."""
-    k = r["kld"]
     return dict(arm=arm, type_k=type_k, type_v=type_v, against=against, ppl=r["ppl"], ppl_err=r["ppl_err"],
-                ppl_ratio=k["ppl_ratio"], kld_mean=k["kld_mean"], kld_mean_err=k["kld_mean_err"],
-                kld_median=k["kld_median"], kld_99_9=k["kld_99.9"], kld_max=k["kld_max"], same_top1=k["same_top1"])
+                **kld_summary(r["kld"]))
 
 
 def main() -> None:
