@@ -496,19 +496,19 @@ def test_registry_errors():
 
 
 def test_registry_accepts_a_new_speculator(monkeypatch):
-    """How an MTP head would plug in: register a factory, name it in a chain."""
+    """How a new speculator plugs in: register a factory, name it in a chain."""
     monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
     seen = {}
 
-    @registry.register("mtp")
-    def make_mtp(**options):
+    @registry.register("my-drafter")
+    def make(**options):
         seen.update(options)
-        return Fixed("mtp", [9, 9])
+        return Fixed("my-drafter", [9, 9])
 
-    ch = build_chain("ngram-simple,mtp", {"mtp": {"heads": 1}})
-    assert ch.names == ["ngram-simple", "mtp"] and seen == {"heads": 1}
-    state = object()  # e.g. an MTP head's hidden state: passed through, ignored by n-grams
-    assert ch.propose([1, 2, 3], 4, state) == [9, 9] and ch.last_winner.name == "mtp"
+    ch = build_chain("ngram-simple,my-drafter", {"my-drafter": {"heads": 1}})
+    assert ch.names == ["ngram-simple", "my-drafter"] and seen == {"heads": 1}
+    state = object()  # e.g. a head's hidden state: passed through, ignored by n-grams
+    assert ch.propose([1, 2, 3], 4, state) == [9, 9] and ch.last_winner.name == "my-drafter"
 
 
 # --------------------------------------------------------------------------------------------
