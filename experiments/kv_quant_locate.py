@@ -40,6 +40,7 @@ import torch
 
 from experiments.common import kv_quant_parser, provenance
 from kernels import reference
+from kvstream.cache.kv_ops import hadamard
 from kvstream.cache.contiguous import ContiguousCache, causal_attention
 from kvstream.cache.factory import make_cache
 from kvstream.config import ArenaConfig, CacheConfig
@@ -85,15 +86,6 @@ ARMS = {
     "resident_b512": dict(resident=True, batch=512),
     "resident_b16": dict(resident=True, batch=16),
 }
-
-
-def hadamard(n: int) -> torch.Tensor:
-    """The orthonormal Sylvester-Walsh-Hadamard matrix [n, n] (symmetric, its own inverse), as
-    llama.cpp's ``ggml_gen_hadamard`` builds it."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return (h / n ** 0.5).float()
 
 
 def roundtrip(x: torch.Tensor, t: str | None) -> torch.Tensor:

@@ -110,6 +110,11 @@ class CacheConfig:
     # uploads, kvstream/cache/wait_clock.py) with two one-thread kernels around each wait: ~1 us a
     # wait, a few % of a streaming step's rate, so opt-in. CPU: always timed (free)
     time_waits: bool = False
+    # paged modes: Q and K (when K is quantized) and V (when V is) multiplied by the orthonormal
+    # Walsh-Hadamard matrix before K/V are quantized, the attention output rotated back, as llama.cpp
+    # (0.3.36's attn_rot_k / attn_rot_v, on by default) does: it spreads Qwen's outlier key channels
+    # over their blocks. Real 0.5B: q8_0 K's KLD ~3x lower, q4_0 K's ~2x higher (results/kv_quant_cost/llama)
+    rotate: bool = False
 
     def __post_init__(self):  # here, so that a sweep's bad cell fails before its model loads
         if isinstance(self.ring_pages, str) and self.ring_pages.isdigit():  # a number given as text

@@ -81,3 +81,39 @@ def test_kld_against_the_fp32_base_stays_in_its_band(setup, types):
             compare_logits=base)
     lo, hi = BANDS[types]
     assert lo < r.stats["kld"]["kld_mean"] < hi
+
+
+@pytest.mark.parametrize("type_k, type_v", [("q8_0", "q4_0"), ("q8_0", "f16"), ("f16", "q4_0")])
+def test_a_rotated_cache_is_a_plain_cache_in_the_hadamard_basis(type_k, type_v):
+    """cache.rotate: a quantized K (and Q) and a quantized V enter the cache multiplied by the
+    orthonormal Walsh-Hadamard matrix H and the output leaves multiplied by H again (H is its own
+    inverse): exactly a plain cache fed the rotated rows, output rotated back, bit for bit (the
+    same kernels on the same bytes). f16 sides are left as they are."""
+    from kvstream.cache.arena import Arena, ArenaPlan, pair_bytes
+    from kvstream.cache.kv_ops import hadamard
+    from kvstream.cache.paged import PagedCache
+
+    D, n = 64, 300
+    H = hadamard(D)
+    assert torch.allclose(H @ H, torch.eye(D), atol=1e-6)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, c, D, generator=g) for c in (4, 2, 2))
+    k[:, :, 3] *= 40  # an outlier channel, as Qwen's keys have
+
+    def cache(rotate):
+        arena = Arena(ArenaPlan(0, 0, pair_bytes(type_k, type_v, 2, D)).bytes(2), "cpu")
+        return PagedCache(n_layers=1, n_kv_heads=2, head_dim=D, max_tokens=512, type_k=type_k, type_v=type_v,
+                          mode="resident", arena=arena, ring_pages=0, slabs={"prefill": 0, "decode": 0}, rotate=rotate)
+
+    def run(c, q, k, v):
+        outs = []
+        for lo, hi in ((0, 256), (256, 299), (299, 300)):  # a prefill chunk, then decode widths
+            c.begin(hi - lo)
+            outs.append(c.attend(0, q[lo:hi], k[lo:hi], v[lo:hi]))
+            c.commit()
+        return torch.cat(outs)
+
+    rk, rv = type_k != "f16", type_v != "f16"
+    got = run(cache(True), q, k, v)
+    want = run(cache(False), q @ H if rk else q, k @ H if rk else k, v @ H if rv else v)
+    assert torch.equal(got, want @ H if rv else want)

@@ -9,6 +9,17 @@ from kernels import reference
 from kernels.formats import PageFormat
 
 
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Walsh-Hadamard matrix [n, n] (n a power of two; symmetric, its
+    own inverse), as llama.cpp's ``ggml_gen_hadamard`` builds it."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Walsh-Hadamard matrix needs a power-of-two size, not {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / n ** 0.5).float()
+
+
 class KVOps:
     """store / gather / attention (in one call or in rounds) for one device."""
 

@@ -33,7 +33,7 @@ from kvstream.cache.arena import Arena, ArenaTooSmall
 from kvstream.cache.contiguous import CacheBase, ContextOverflow, causal_attention
 from kvstream.cache.copier import Copier
 from kvstream.cache.host_store import HostStore
-from kvstream.cache.kv_ops import KVOps
+from kvstream.cache.kv_ops import KVOps, hadamard
 from kvstream.cache.paged_layout import ArenaLayout
 from kvstream.cache.paged_plan import ResidencyPlan
 from kvstream.cache.paged_ring import RingStreaming
@@ -53,7 +53,7 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
                  type_v: str, mode: str, arena: Arena, ring_pages: int | None, slabs: dict[str, int],
                  verify_width: int = 1, residency=NewestResident(), both_slabs: bool = False,
-                 time_waits: bool = False):
+                 time_waits: bool = False, rotate: bool = False):
         if mode not in MODES:
             raise ValueError(f"cache.mode={mode!r}; choose one of {', '.join(MODES)}")
         if mode == "stream" and ring_pages is not None and ring_pages < 2:
@@ -61,6 +61,10 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         self.k_fmt = PageFormat(type_k, n_kv_heads, head_dim)
         self.v_fmt = PageFormat(type_v, n_kv_heads, head_dim)
         self.n_layers, self.mode, self.arena, self.residency = n_layers, mode, arena, residency
+        # ``rotate``: quantized K (and V) stored in a Walsh-Hadamard basis (CacheConfig.rotate); f16 pages as they are
+        quantized = lambda f: f.kv_type.name.lower() != "f16"
+        self.rot = hadamard(head_dim).to(arena.device) if rotate and (quantized(self.k_fmt) or quantized(self.v_fmt)) else None
+        self.rot_k, self.rot_v = self.rot is not None and quantized(self.k_fmt), self.rot is not None and quantized(self.v_fmt)
         self.max_tokens = max_tokens
         self.max_pages = -(-max_tokens // PAGE_TOKENS)
         self.device = arena.device
@@ -151,6 +155,15 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k_new / v_new [n, KVH, D] -> attention output [n, H, D] in q's dtype."""
+        if self.rot is None:
+            return self._attend(layer, q, k_new, v_new)
+        r = self.rot.to(q.dtype)
+        if self.rot_k:  # q.k is unchanged (the matrix is orthonormal); K is quantized in the rotated basis
+            q, k_new = q @ r, k_new @ r
+        out = self._attend(layer, q, k_new, v_new @ r if self.rot_v else v_new)
+        return out @ r if self.rot_v else out  # (its own inverse)
+
+    def _attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         table, slots = self.tables[layer], self.slots[layer]
         self.ops.store(self.kspace, k_new.contiguous(), slots, self.k_fmt)
         self.ops.store(self.vspace, v_new.contiguous(), slots, self.v_fmt)
