@@ -58,6 +58,9 @@ GENERATE = [  # (overrides, what the line says); {tiny} / {corrupt}: the module'
     (["+foo=1"], "unknown key 'foo'"),
     (["cache=nope"], "Could not find 'cache/nope'; Available options in 'cache': contiguous, resident, stream"),
     (["max_new_tokens=[1"], "max_new_tokens=[1: no viable alternative"),
+    (["spec=mtp"], "spec.mtp.source is not set"),
+    (["spec=mtp", "spec.mtp.source=/nowhere/h.gguf"], "spec.mtp.source=/nowhere/h.gguf: no such file"),
+    (["spec=mtp", "spec.mtp.source={tiny}"], "not an MTP head"),
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 from policies import chain_order, draft_length, eject
 
@@ -43,6 +44,8 @@ DRAFT_HOSTS = DraftHosts()
 
 def mtp_head(source: str, target, target_source: str):
     """An MTP head for ``target`` from its GGUF (``load_head`` refuses one made for another target)."""
+    if not Path(source).is_file():
+        raise FileNotFoundError(f"spec.mtp.source={source}: no such file (python -m experiments.train_mtp writes a head)")
     path = resolve_model(target_source)
     sha = MODELS[target_source].sha256 if target_source in MODELS else _sha256(path)
     return load_head(source, target, sha)[0]
