@@ -89,6 +89,7 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         self._keys = torch.zeros(2 * (self.max_pages + 1), dtype=torch.int64, device=self.device)
         self._keys_upload = PinnedUpload(self._keys)
         self._wrap = False  # this decode step streams its first round: it copies the next step's at its end
+        self._step_plan = (None,)  # (the plan_key and wrap it is for, shape, copies): RingStreaming.step_plan
         self._primed = None  # the plan_key (layout and plan) whose first round ring half 0 holds, copied by the last step's end
         # CUDA: the compute buffers of the phase's passes, and (both_slabs) of the decode-width ones
         self._pools: tuple[SlabPool | None, SlabPool | None] = (None, None)
@@ -157,7 +158,9 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         """q [n, H, D], k_new / v_new [n, KVH, D] -> attention output [n, H, D] in q's dtype."""
         if self.rot is None:
             return self._attend(layer, q, k_new, v_new)
-        r = self.rot.to(q.dtype)
+        if self.rot.dtype != q.dtype:  # once: the model's dtype
+            self.rot = self.rot.to(q.dtype)
+        r = self.rot
         if self.rot_k:  # q.k is unchanged (the matrix is orthonormal); K is quantized in the rotated basis
             q, k_new = q @ r, k_new @ r
         out = self._attend(layer, q, k_new, v_new @ r if self.rot_v else v_new)

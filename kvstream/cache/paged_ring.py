@@ -117,6 +117,7 @@ class RingStreaming:
         """The ring was written outside the cache (a benchmark's copies): the next decode step
         copies its first round again."""
         self._primed = None
+
     def copy_order(self) -> list[tuple[int, int]]:
         """(group's first layer, round) of every ring copy a decode step issues, in issue order:
         ``start_step``'s, then ``_next_copy``'s after each group's first layer reads a round."""
@@ -148,7 +149,7 @@ class RingStreaming:
         ring halves), the number of copies, and each 2-D copy whole (a graph's 2-D copy cannot be
         re-pointed, its 1-D ones can)."""
         key = self.plan_key() + (self._wrap,)
-        if getattr(self, "_step_plan", (None,))[0] != key:
+        if self._step_plan[0] != key:
             copies = self.step_copies()
             shape = (tuple(bool(pages) for _, _, pages in self.rounds), self.group, self._wrap,
                      tuple(c if c[-1] > 1 else None for c in copies))

@@ -13,8 +13,9 @@ positions, slots, the length) and through its copies' node parameters; its shape
 capture fixes, so a decode captures once per width and shape: a page opening that keeps the
 shape costs an update of its copy nodes. The graphs of one shape are kept (every width); a
 new shape drops them, since their buffers share the cache's slab, sized for one shape's steps.
-A re-layout (phase switch, draft eject / re-enable) drops the graphs. A pinned draft's own graphs survive its eject and re-enable, which put its
-weights and KV back at the same addresses (``DraftModel.pin``, ``PagedCache.move_to``).
+A re-layout (phase switch, draft eject / re-enable) drops the graphs. A pinned draft's own
+graphs survive its eject and re-enable, which put its weights and KV back at the same addresses
+(``DraftModel.pin``, ``PagedCache.move_to``).
 
 Eager and graphed steps run the same kernels on the same bytes in the same order, so their
 logits are bit-identical: tested on the H200 (tests/test_cuda.py) up to 1K tokens, after a
@@ -74,9 +75,7 @@ class GraphedModel:
         # a new layout or another cache (not by id(): a new cache may reuse a freed one's id, and
         # replaying graphs captured on freed buffers is an illegal access): the old graphs are done
         if cache.layout_key() != self.layout or self._cache() is not cache:
-            if self.graphs:  # freeing every graph of a pool frees the pool: captures need a new one
-                self.graphs.clear()
-                self.pool = torch.cuda.graph_pool_handle()
+            self._drop()
             self.layout, self._cache = cache.layout_key(), weakref.ref(cache)
         shape, rows = cache.step_plan()
         key, plan = (n, all_logits, shape, hidden), cache.plan_key()
@@ -92,16 +91,14 @@ class GraphedModel:
                 self.updates += 1
                 cache.stats.plan_change = "update"
             except Unbound:  # captured anew below (with the rest: graphs leave the slab together)
-                self.graphs.clear()
-                self.pool = torch.cuda.graph_pool_handle()
+                self._drop()
                 entry = None
             cache.stats.plan_s += time.perf_counter() - t0
         if entry is None:
             if any(k[2] != shape for k in self.graphs):
                 # another shape's graphs keep their buffers in the cache's slab, which the reserve
                 # pass sized for one shape's steps: they go before this one is captured
-                self.graphs.clear()
-                self.pool = torch.cuda.graph_pool_handle()
+                self._drop()
             t0 = time.perf_counter()
             entry = self.graphs[key] = self._capture(n, pos, cache, all_logits, hidden, rows, plan)
             cache.stats.plan_change = "capture"
@@ -110,6 +107,12 @@ class GraphedModel:
         cache.commit()
         # the graph's output buffers are rewritten by the next replay
         return tuple(t.clone() for t in entry.out) if hidden else entry.out.clone()
+
+    def _drop(self) -> None:
+        """Free every graph; freeing every graph of a pool frees the pool: captures need a new one."""
+        if self.graphs:
+            self.graphs.clear()
+            self.pool = torch.cuda.graph_pool_handle()
 
     def _capture(self, n, pos, cache, all_logits, hidden, rows, plan) -> Captured:
         body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)
