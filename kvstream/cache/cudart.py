@@ -141,7 +141,9 @@ def set_exec_memcpy(graph_exec: int, node: int, params: Memcpy3D) -> int:
 
 
 def set_graph_memcpy(node: int, params: Memcpy3D) -> None:
-    """The graph's (not yet its instance's) copy at ``node`` becomes ``params``."""
+    """The graph's (not yet its instance's) copy at ``node`` becomes ``params`` (with
+    ``update_exec``: the other way to re-point a copy, which ``experiments/probe_memcpy_nodes.py``
+    tries; it refuses 2-D copies too)."""
     _check(_runtime().cudaGraphMemcpyNodeSetParams(node, ctypes.byref(params)), "cudaGraphMemcpyNodeSetParams")
 
 
