@@ -118,3 +118,26 @@ def test_spec_type_mtp_through_the_runner(model, files, plain):
 def test_the_mtp_config_is_checked(kw, message):
     with pytest.raises(ValueError, match=message):
         SpecConfig(**kw)
+
+
+def test_the_first_draft_is_the_heads_chain_over_the_prompts_rows(model, files):
+    """What the head is fed is its definition's rows: after the prefill (chunks observed) the
+    first draft equals ``MTPHead.draft`` run once over every prompt row (h_t, x_{t+1}), the
+    last one's token being the first sampled, with a fresh dense cache (fp32 here: the head's
+    f16 pages move its logits by ~1e-3, below the tiny model's top-1 gaps on this prompt)."""
+    from kvstream.cache.arena import Arena
+    from kvstream.engine.generate import prefill
+    from kvstream.engine.runner import mtp_head
+
+    head = mtp_head(str(files[1]), model, str(files[0]))
+    mtp = MTPDraft(head, "cpu", max_tokens=1024)
+    mtp.pin(Arena(64 * MIB, "cpu"))
+    hs = []
+    with torch.inference_mode():
+        logits = prefill(model, make_cache(CacheConfig(mode="resident"), ArenaConfig(), model, 1024, CHUNK), PROMPT,
+                         CHUNK, observe=lambda h, toks, start: (hs.append(h), mtp.observe(h, toks, start)))
+        first = int(logits.argmax())
+        got = mtp.propose(PROMPT + [first], 4)
+        want = head.draft(torch.cat(hs), torch.tensor(PROMPT[1:] + [first]), torch.arange(1, len(PROMPT) + 1), 4,
+                          head.new_cache(len(PROMPT) + 8, torch.float32))
+    assert len(hs) == -(-len(PROMPT) // CHUNK) and got == want.tolist()
