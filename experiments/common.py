@@ -7,6 +7,7 @@ stale (a remote GPU machine's copy of the tree): the tree is then taken to be th
 from __future__ import annotations
 
 import datetime
+import io
 import math
 import os
 import platform
@@ -18,9 +19,11 @@ from pathlib import Path
 
 import torch
 import triton
+from hydra import compose, initialize_config_module
 
 from kernels.formats import PageFormat
-from kvstream.config import ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware
+from kvstream.cli.ppl import PplConfig, run
+from kvstream.config import ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware, quote_free_text, to_typed
 from kvstream.engine.runner import DRAFT_HOSTS
 from kvstream.eval.perplexity import stdlib_text
 from kvstream.model.loader import ModelConfig, open_gguf
@@ -306,6 +309,17 @@ def kv_quant_parser(description: str, out: str) -> "argparse.ArgumentParser":
 
 
 KLD_SUMMARY = ("ppl_ratio", "kld_mean", "kld_mean_err", "kld_median", "kld_99.9", "kld_max", "same_top1")
+
+
+def run_ppl(overrides: list[str]) -> dict:
+    """One ``kvstream-ppl`` run from its command-line overrides (its summary printed): its result row."""
+    quote_free_text(overrides, ())
+    with initialize_config_module("conf", version_base=None):
+        cfg = to_typed(compose("ppl", overrides=overrides), PplConfig)
+    out = io.StringIO()
+    row = run(cfg, out)
+    print(out.getvalue(), flush=True)
+    return row
 
 
 def kld_summary(stats: dict, ppl_base: bool = False, kld_max: bool = True) -> dict:

@@ -16,34 +16,20 @@ runs just the resident and stream arms. Writes ``<out>/kv_quant_cost.csv``.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import tempfile
 from pathlib import Path
 
 import pandas as pd
-from hydra import compose, initialize_config_module
 
-from experiments.common import kld_summary, provenance
+from experiments.common import kld_summary, provenance, run_ppl as ppl
 from kvstream.cache.arena import ArenaPlan, pair_bytes
 from kvstream.cache.factory import reserve_slab
-from kvstream.cli.ppl import PplConfig, run
-from kvstream.config import quote_free_text, to_typed
 from kvstream.model.loader import open_gguf, read_config
 from kvstream.model.qwen import load_model
 from kvstream.model.registry import resolve_model
 
 PAIRS = [("q8_0", "q4_0"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("f16", "f16")]
-
-
-def ppl(overrides: list[str]) -> dict:
-    quote_free_text(overrides, ())
-    with initialize_config_module("conf", version_base=None):
-        cfg = to_typed(compose("ppl", overrides=overrides), PplConfig)
-    out = io.StringIO()
-    row = run(cfg, out)
-    print(out.getvalue(), flush=True)
-    return row
 
 
 def compared(arm: str, type_k: str, type_v: str, against: str, r: dict) -> dict:

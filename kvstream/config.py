@@ -51,6 +51,8 @@ class ModelSource:
     rope_scaling: str | None = None     # none | yarn | null: the GGUF's
     rope_factor: float | None = None    # YaRN: context / original context (Qwen2.5: 4)
     yarn_orig_ctx: int | None = None    # YaRN: the context the model was trained at (Qwen2.5: 32768)
+    max_context: int | None = None      # tokens a run may hold; null: the model's limit. Above it: a run past
+    #                                     the context its rope was trained for, on purpose (results/long_context)
 
     def __post_init__(self):
         if self.rope_scaling is not None:
@@ -60,6 +62,8 @@ class ModelSource:
         if self.yarn_orig_ctx is not None and self.yarn_orig_ctx < 1:
             raise ValueError(f"model.yarn_orig_ctx={self.yarn_orig_ctx}: give the model's original context "
                              "in tokens, >= 1")
+        if self.max_context is not None and self.max_context < 1:
+            raise ValueError(f"model.max_context={self.max_context}: give a context in tokens, >= 1, or null")
         if self.rope_scaling == "none" and (self.rope_factor, self.yarn_orig_ctx) != (None, None):
             raise ValueError(f"model.rope_factor={self.rope_factor} / model.yarn_orig_ctx={self.yarn_orig_ctx} "
                              "apply to YaRN, not to model.rope_scaling=none")
@@ -67,7 +71,8 @@ class ModelSource:
     @property
     def rope(self) -> dict:
         """The rope overrides as ``read_config`` / ``load_model`` take them."""
-        return dict(rope_scaling=self.rope_scaling, rope_factor=self.rope_factor, yarn_orig_ctx=self.yarn_orig_ctx)
+        return dict(rope_scaling=self.rope_scaling, rope_factor=self.rope_factor, yarn_orig_ctx=self.yarn_orig_ctx,
+                    max_context=self.max_context)
 
 
 @dataclass

@@ -101,6 +101,8 @@ def test_gguf_keys_and_overrides(tmp_path):
     cfg = read_config(reader, rope_scaling="yarn", rope_factor=4.0)  # the original context: context_length
     assert cfg.yarn == Yarn(4.0, 512) and cfg.context_length == 2048
     assert read_config(reader, rope_scaling="yarn", rope_factor=4.0, yarn_orig_ctx=100).context_length == 400
+    past = read_config(reader, rope_scaling="none", max_context=2048)  # plain rope past its 512, on purpose
+    assert past.yarn is None and past.context_length == 2048 and past.context_limit == "2048 tokens (model.max_context)"
     with pytest.raises(ValueError, match="has no qwen2.rope.scaling.factor: give model.rope_factor"):
         read_config(reader, rope_scaling="yarn")
     with pytest.raises(ValueError, match="model.rope_factor=4.0 .* add model.rope_scaling=yarn"):
@@ -112,6 +114,7 @@ def test_gguf_keys_and_overrides(tmp_path):
     (dict(rope_scaling="linear"), r"model.rope_scaling='linear'; choose one of none, yarn"),
     (dict(yarn_orig_ctx=0), r"model.yarn_orig_ctx=0: give the model's original context in tokens"),
     (dict(rope_scaling="none", rope_factor=4.0), r"model.rope_factor=4.0 .* not to model.rope_scaling=none"),
+    (dict(max_context=0), r"model.max_context=0: give a context in tokens, >= 1, or null"),
 ])
 def test_config_is_validated(kw, message):
     with pytest.raises(ValueError, match=message):

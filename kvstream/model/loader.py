@@ -53,13 +53,16 @@ class ModelConfig:
     vocab_size: int
     rope_base: float
     rms_eps: float
-    context_length: int  # the most tokens a run may hold: the GGUF's, or with YaRN factor x original
+    context_length: int  # the most tokens a run may hold: the GGUF's, with YaRN factor x original, or max_context
     tied_output: bool
     yarn: Yarn | None = None
+    max_context: bool = False  # context_length is model.max_context's, not the rope's own limit
 
     @property
     def context_limit(self) -> str:
         """The context limit in words, for errors: ``131072 tokens (YaRN: factor 4 x original 32768)``."""
+        if self.max_context:
+            return f"{self.context_length} tokens (model.max_context)"
         if self.yarn is None:
             return f"{self.context_length} tokens (model.rope_scaling=yarn extends it)"
         return f"{self.context_length} tokens (YaRN: factor {self.yarn.factor:g} x original {self.yarn.orig_ctx})"
@@ -120,9 +123,9 @@ def _rope_scaling(reader: GGUFReader, arch: str, scaling: str | None, factor: fl
 
 
 def read_config(reader: GGUFReader, rope_scaling: str | None = None, rope_factor: float | None = None,
-                yarn_orig_ctx: int | None = None) -> ModelConfig:
+                yarn_orig_ctx: int | None = None, max_context: int | None = None) -> ModelConfig:
     """The model's config from the GGUF's metadata; the rope arguments, when given, override the
-    file's rope scaling (``_rope_scaling``)."""
+    file's rope scaling (``_rope_scaling``), and ``max_context`` the context limit that gives."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"unsupported architecture {arch!r}; kvstream runs {', '.join(SUPPORTED_ARCHS)}")
@@ -149,9 +152,10 @@ def read_config(reader: GGUFReader, rope_scaling: str | None = None, rope_factor
         vocab_size=int(vocab or embd.shape[1]),
         rope_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        context_length=context,
+        context_length=max_context or context,
         tied_output="output.weight" not in names,
         yarn=yarn,
+        max_context=max_context is not None,
     )
 
 
