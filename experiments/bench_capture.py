@@ -151,7 +151,6 @@ def measure(model, clock: Clock, context: int, width: int, pages: int, resident:
                          "wall_s": wall, **{p: clock.t.get(p, 0.0) for p in PARTS}})
         SYNC()
     print(f"{graphed.captures} captures, {graphed.updates} updates in all")
-    graphed.graphs.clear()  # the graphs' buffers are in the cache's slab: they go before it
     return pd.DataFrame(rows)
 
 

@@ -128,7 +128,7 @@ def test_graphed_steps_return_the_hidden_states_an_mtp_head_reads(tmp_path):
     toks = torch.randint(0, 357, (t.PROMPT + 12,), generator=torch.Generator().manual_seed(2)).tolist()
     out = []
     for step in (m, GraphedModel(m)):
-        cache = t.paged(m, "stream", mib=t.small_arena_mib(m, 6, 8), ring=8)
+        cache = t.paged(m, "stream", mib=t.small_arena_mib(m, 6, 8), ring=8, verify_width=5)
         t.run(m, cache, toks[:t.PROMPT + 1], decode=1)
         batch = torch.tensor(toks[t.PROMPT:t.PROMPT + 5], device="cuda")
         with torch.inference_mode():
@@ -161,6 +161,36 @@ def test_graphed_decode_across_page_openings_updates_its_copies_instead_of_captu
     del graphed  # its graphs' buffers are in the cache's slab: the graphs go first
     assert torch.equal(got, eager)
     assert captures == len(shapes) and updates >= len(plans) - len(shapes) > 0, (captures, updates, len(plans))
+
+
+@pytest.mark.parametrize("order", ["cache first", "one collection"])
+def test_a_cache_releases_the_graphs_in_its_slab_before_its_pools(tmp_path, order):
+    """A cache freed before the GraphedModel that captured into its slab (a failed test's frame
+    let go local by local), or both in one garbage collection: the cache resets those graphs
+    before its pools go. The other order aborted the process ("Fatal Python error: Aborted" while
+    garbage-collecting, H200, 2026-12-02)."""
+    import gc
+
+    import test_paged_cache as t
+    from kvstream.engine.graphs import GraphedModel
+
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
+    toks = torch.randint(0, 357, (t.PROMPT + 8,), generator=torch.Generator().manual_seed(4)).tolist()
+    cache, graphed = t.paged(m, "stream", mib=t.small_arena_mib(m, 6, 8), ring=8), GraphedModel(m)
+    t.run(graphed, cache, toks, decode=8)
+    assert graphed.graphs and len(cache.slab_graphs) == graphed.captures
+    if order == "cache first":
+        del cache
+        gc.collect()
+        del graphed
+    else:
+        cache.owner, graphed.cache = graphed, cache  # a cycle: freed by the collector, in its order
+        del cache, graphed
+    gc.collect()
+    torch.cuda.synchronize()
+    # the allocator still works: a fresh cache and graphs over freed slabs
+    again = t.paged(m, "stream", mib=t.small_arena_mib(m, 6, 8), ring=8)
+    assert torch.isfinite(t.run(GraphedModel(m), again, toks, decode=8)).all()
 
 
 @pytest.mark.parametrize("ring, most_rounds", [(16, 1), (4, 3)])
@@ -363,8 +393,8 @@ def test_a_pinned_drafts_buffers_and_graphs_live_in_the_arena(tmp_path):
     torch.cuda.synchronize()
     added = free - torch.cuda.mem_get_info()[0]
     catch_up, steps = draft.cache._pools
-    assert draft.model.graphs and all(steps.base < out.data_ptr() < steps.base + steps.nbytes
-                                      for _, out in draft.model.graphs.values())
+    assert draft.model.graphs and all(steps.base < e.out.data_ptr() < steps.base + steps.nbytes
+                                      for e in draft.model.graphs.values())
     assert catch_up.segments.peak > 0  # the prompt's catch-up ran there (483 tokens: 64-token chunks)
     kv = draft.cache.arena.buf
     assert c.arena.buf.data_ptr() <= kv.data_ptr() < kv.data_ptr() + kv.numel() <= c.arena.buf.data_ptr() + c.arena.nbytes
@@ -563,7 +593,7 @@ def test_decode_buffers_and_captured_graphs_live_in_the_arena(tmp_path):
     added = free - torch.cuda.mem_get_info()[0]
     lo, hi = cache.arena.buf.data_ptr(), cache.arena.buf.data_ptr() + cache.layout.slab
     assert cache.phase == "decode" and cache.capacity < cache.max_pages and step.graphs
-    assert all(lo < out.data_ptr() < hi for _, out in step.graphs.values())
+    assert all(lo < e.out.data_ptr() < hi for e in step.graphs.values())
     assert cache.slab_pool.segments.bytes > 0
     # beyond the arena: the clones of the logits handed to the sampler (a 2 MiB segment or two)
     assert added - cache.arena.nbytes <= 4 << 20, (added, cache.arena.nbytes)

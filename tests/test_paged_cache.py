@@ -45,23 +45,23 @@ def run(model, cache, tokens, decode=DECODE, chunk=CHUNK):
     return torch.stack(out)
 
 
-def slabs(model, ring, max_tokens=2048, types=("q8_0", "q4_0")):
+def slabs(model, ring, max_tokens=2048, types=("q8_0", "q4_0"), verify_width=1):
     """The phases' slabs; on CUDA (measured) the decode phase keeps the prefill's: the tiny
     model's pages are ~50 KB and a 2 MiB allocator segment is 40 of them, so a shrinking slab
     would leave every page resident where a test wants a given number."""
     s = phase_slabs(CacheConfig(mode="stream" if ring else "resident", type_k=types[0], type_v=types[1],
                                 ring_pages=ring or "auto"), model,
-                    max_tokens, CHUNK)
+                    max_tokens, CHUNK, verify_width)
     return {"prefill": max(s.values()), "decode": max(s.values())} if model.device.type == "cuda" else s
 
 
 def paged(model, mode, mib=None, ring=8, types=("q8_0", "q4_0"), max_tokens=2048, residency="newest", step=1,
-          time_waits=False):
+          time_waits=False, verify_width=1):
     cfg = CacheConfig(mode=mode, type_k=types[0], type_v=types[1], ring_pages=ring, residency=residency,
                       residency_step=step, time_waits=time_waits)
     fixed = mib is not None and model.device.type == "cuda"
     return make_cache(cfg, ArenaConfig(mib="auto" if mib is None else str(mib)), model, max_tokens, CHUNK,
-                      slabs=slabs(model, ring, max_tokens, types) if fixed else None)
+                      verify_width=verify_width, slabs=slabs(model, ring, max_tokens, types, verify_width) if fixed else None)
 
 
 @pytest.fixture(scope="module")

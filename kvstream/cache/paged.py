@@ -94,6 +94,7 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         # CUDA: the compute buffers of the phase's passes, and (both_slabs) of the decode-width ones
         self._pools: tuple[SlabPool | None, SlabPool | None] = (None, None)
         self._pools_at = None  # (arena address, slab bytes) the pools were made for
+        self.slab_graphs: list[torch.cuda.CUDAGraph] = []  # captured into the slab: released before it (drop_graphs)
         self.relayout()
 
     def __del__(self):
@@ -105,6 +106,8 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         clock = getattr(self, "clock", None)
         if clock is not None:  # its unread passes and it point at each other: read them, which ends that
             clock.flush()
+        if getattr(self, "slab_graphs", None):
+            self.drop_graphs()  # whatever order a collection frees this cache and the graphs' owners in
         for pool in getattr(self, "_pools", ()):
             if pool is not None:
                 pool.pool = None  # its segments go before the arena's bytes can be reused

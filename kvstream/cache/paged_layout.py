@@ -67,9 +67,30 @@ class ArenaLayout:
             self._pools[0].recycle()
         return super().compute()
 
+    def keep_graph(self, graph: torch.cuda.CUDAGraph) -> None:
+        """``graph`` was captured into this cache's slab: it is released before the slab is
+        (``drop_graphs``). A graph still holding a pool when torch's pool is destroyed aborts the
+        process, and a garbage collection may free the cache before the graph's owner."""
+        self.slab_graphs.append(graph)
+
+    def forget_graphs(self, graphs) -> None:
+        """The owner of ``graphs`` freed them itself."""
+        ids = {id(g) for g in graphs}
+        self.slab_graphs = [g for g in self.slab_graphs if id(g) not in ids]
+
+    def drop_graphs(self) -> None:
+        """Release every graph captured into the slab (their owners' replays would then fail:
+        owners drop them at a re-layout, before anything replays)."""
+        if self.slab_graphs:
+            torch.cuda.synchronize(self.device)  # none may be running while its executable goes
+            for g in self.slab_graphs:
+                g.reset()
+            self.slab_graphs = []
+
     def close_slab(self) -> None:
         """Give the slab's compute buffers back (the slab moves or shrinks at a re-layout); the
         next layout makes new pools."""
+        self.drop_graphs()
         for pool in self._pools:
             if pool is not None:
                 pool.close()

@@ -111,6 +111,9 @@ class GraphedModel:
     def _drop(self) -> None:
         """Free every graph; freeing every graph of a pool frees the pool: captures need a new one."""
         if self.graphs:
+            cache = self._cache()
+            if cache is not None and hasattr(cache, "forget_graphs"):
+                cache.forget_graphs(e.graph for e in self.graphs.values())
             self.graphs.clear()
             self.pool = torch.cuda.graph_pool_handle()
 
@@ -127,6 +130,8 @@ class GraphedModel:
             with torch.cuda.graph(graph, pool=self.pool if slab is None else slab.id, stream=side):
                 out = body()
         graph.instantiate()
+        if slab is not None:
+            cache.keep_graph(graph)
         self.captures += 1
         copies = None
         if rows:
