@@ -688,3 +688,29 @@ def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path):
     plain = generate(m, cache, t.PROMPT, t.NEW, Sampler(t.GREEDY, "cuda"), prefill_chunk=t.CHUNK).tokens
     g, mtp, _, cache = t.run_mtp(m, (target, tmp_path / "h.gguf"), device_rounds=True, step=GraphedModel(m))
     assert g.tokens == plain and mtp.stats.drafts > 0
+
+
+def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch):
+    """MTPDraft(graphs=True): the head's feeds and draft steps replay captured graphs (one capture
+    per width, at the warm-up), and every round drafts the eager head's tokens (the same
+    kernels on the same bytes)."""
+    import test_mtp_engine as t
+    from kvstream.engine.graphs import GraphedModel
+    from kvstream.model.mtp import MTPHead
+    from kvstream.model.mtp_gguf import write_head
+    from kvstream.model.registry import sha256_file
+    from kvstream.speculators.mtp import MTPDraft
+
+    target = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
+    m = load_model(target, torch.float32, "cuda")
+    write_head(tmp_path / "h.gguf", MTPHead(load_model(target), seed=2), sha256_file(target), {"command": "test"}, "f32")
+    rounds, draft = [], MTPDraft._draft
+    monkeypatch.setattr(MTPDraft, "_draft", lambda self, history, n: rounds.append(draft(self, history, n)) or rounds[-1])
+    drafted = {}
+    for graphs in (False, True):
+        rounds.clear()
+        g, mtp, _, _ = t.run_mtp(m, (target, tmp_path / "h.gguf"), step=GraphedModel(m), head_graphs=graphs)
+        drafted[graphs] = (g.tokens, [r[0].tolist() for r in rounds if r is not None])
+    assert drafted[True] == drafted[False] and len(drafted[True][1]) > 4
+    # warm-up captured each feed width (1..5) once; no round captured
+    assert mtp.step is mtp._graphed and mtp._graphed.captures == 5

@@ -52,12 +52,12 @@ def plain(model):
     return generate(model, cache, PROMPT, NEW, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
 
 
-def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None, step=None):
+def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None, step=None, head_graphs=False):
     """A greedy decode with the head pinned in a stream cache's arena (``step``: the model, or a
-    GraphedModel of it)."""
+    GraphedModel of it; ``head_graphs``: the head's steps captured, CUDA)."""
     from kvstream.engine.runner import mtp_head
     head = mtp_head(str(files[1]), model, str(files[0]))
-    mtp = MTPDraft(head, model.device, max_tokens=1024)
+    mtp = MTPDraft(head, model.device, max_tokens=1024, graphs=head_graphs, max_width=1 + n_max)
     # an arena whose decode layout, the head pinned, holds 2 pages per layer: the decode streams
     cc = CacheConfig(mode="stream", ring_pages="4")
     slabs = phase_slabs(cc, model, 2048, CHUNK, 1 + n_max)
@@ -141,3 +141,30 @@ def test_the_first_draft_is_the_heads_chain_over_the_prompts_rows(model, files):
         want = head.draft(torch.cat(hs), torch.tensor(PROMPT[1:] + [first]), torch.arange(1, len(PROMPT) + 1), 4,
                           head.new_cache(len(PROMPT) + 8, torch.float32))
     assert len(hs) == -(-len(PROMPT) // CHUNK) and got == want.tolist()
+
+
+def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, files, monkeypatch):
+    """Each round, not only the first: the draft equals ``MTPHead.draft`` run from scratch over
+    every committed row (a fresh dense head cache; the target's hidden states recomputed in one
+    pass through a cache of the engine's page types, q8_0 / q4_0: a dense target cache's states
+    differ enough to flip later drafts of this random head), so the rows fed after each
+    verification and their positions (``HeadStep.offset``) are the definition's."""
+    rounds, draft = [], MTPDraft._draft
+
+    def spy(self, history, n):
+        out = draft(self, history, n)
+        if out is not None:
+            rounds.append((list(history), out[0].tolist()))
+        return out
+
+    monkeypatch.setattr(MTPDraft, "_draft", spy)
+    _, mtp, _, _ = run_mtp(model, files)
+    assert len(rounds) >= 8
+    for history, got in rounds:
+        n = len(history)
+        with torch.inference_mode():
+            dense = make_cache(CacheConfig(mode="resident"), ArenaConfig(), model, n, CHUNK)
+            _, h = model(torch.tensor(history[:-1]), dense, all_logits=True, hidden=True)
+            want = mtp.head.draft(h, torch.tensor(history[1:]), torch.arange(1, n), len(got),
+                                  mtp.head.new_cache(n + 8, torch.float32))
+        assert got == want.tolist(), (n, got, want.tolist())

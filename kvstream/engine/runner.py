@@ -100,7 +100,8 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
     if "mtp" in chain_names:
         m = spec.mtp
         options["mtp"] = dict(head=mtp_head(m.source, model, cfg.model.source), device=model.device,
-                              max_tokens=max_tokens, type_k=m.type_k, type_v=m.type_v, p_min=m.p_min, n_min=m.n_min)
+                              max_tokens=max_tokens, type_k=m.type_k, type_v=m.type_v, p_min=m.p_min, n_min=m.n_min,
+                              graphs=graphs, max_width=1 + spec.n_max)
     chain = build_chain(spec.type, options) if speculating else None
     pinned = next((chain.get(n) for n in ("draft", "mtp") if n in options), None)  # the one pinned drafter
     cache = make_cache(cfg.cache, cfg.arena, model, max_tokens, cfg.prefill_chunk,

@@ -133,12 +133,16 @@ class MTPHead(torch.nn.Module):
         """h [n, d] (target pre-norm states, or the previous step's output), tokens [n] at positions
         pos [n] int64 (the rows continue ``kv``) -> (logits [n, draft_vocab], h_out [n, d]).
         Appends n rows to ``kv``; each row attends to the cache's rows and the new ones up to its own."""
+        kv.begin(tokens.shape[0])
+        out = self.block(h, tokens, pos, kv)
+        kv.commit()
+        return out
+
+    def block(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` between ``kv.begin`` and ``kv.commit``: device work only (a CUDA graph can hold it)."""
         x = self._input(h, tokens)
         q, k, v = self._qkv(x, pos)
-        kv.begin(tokens.shape[0])
-        a = kv.attend(0, q, k, v)
-        kv.commit()
-        g = self._block_out(x, a)
+        g = self._block_out(x, kv.attend(0, q, k, v))
         return self.logits(g), g
 
     @torch.no_grad()
