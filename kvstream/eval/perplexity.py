@@ -99,11 +99,13 @@ def split_chunks(tokens: list[int], ctx: int, n_chunks: int | None = None, bos_i
 
 
 @torch.inference_mode()
-def scored_logprobs(model, cache, chunk: torch.Tensor, batch: int) -> Iterator[tuple[int, torch.Tensor]]:
+def scored_logprobs(model, cache, chunk: torch.Tensor, batch: int,
+                    first: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Run one chunk [ctx] through ``model`` in sub-batches of ``batch`` tokens; yield ``(row, lp)``
-    with ``lp`` the fp32 log-softmax [rows, vocab] of the scored positions ``row ..`` (in ``first .. ctx-2``)."""
+    with ``lp`` the fp32 log-softmax [rows, vocab] of the scored positions ``row ..`` (in
+    ``first .. ctx-2``; ``first`` defaults to ``ctx // 2``, the second half)."""
     ctx = chunk.numel()
-    first = ctx // 2
+    first = ctx // 2 if first is None else first
     for lo in range(0, ctx, batch):
         logits = model(chunk[lo:lo + batch], cache, all_logits=True)
         a, b = max(lo, first), min(lo + batch, ctx - 1)
