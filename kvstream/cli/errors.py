@@ -20,11 +20,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
+from kvstream.cache.host_store import HostMemoryTooSmall
 from kvstream.model.registry import ModelNotAvailable
 
-# a bad value or override, a missing / corrupt / unregistered file, a full disk (ArenaTooSmall and
-# GGUFError are ValueErrors)
-KNOWN = (ValueError, OSError, ModelNotAvailable, HydraException, OmegaConfBaseException)
+# a bad value or override, a missing / corrupt / unregistered file, a full disk, a KV store beyond the
+# host's memory (ArenaTooSmall and GGUFError are ValueErrors)
+KNOWN = (ValueError, OSError, ModelNotAvailable, HostMemoryTooSmall, HydraException, OmegaConfBaseException)
 
 _debug = False
 
