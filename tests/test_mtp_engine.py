@@ -52,7 +52,8 @@ def plain(model):
     return generate(model, cache, PROMPT, NEW, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
 
 
-def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None, step=None, head_graphs=False):
+def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None, step=None, head_graphs=False,
+            run_ahead=None):
     """A greedy decode with the head pinned in a stream cache's arena (``step``: the model, or a
     GraphedModel of it; ``head_graphs``: the head's steps captured, CUDA)."""
     from kvstream.engine.runner import mtp_head
@@ -67,7 +68,7 @@ def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None,
     chain = Chain([mtp]) if chain is None else Chain(chain(mtp))
     control = DraftControl(mtp, cache, policy or Never(), measure_in_place=len(chain) == 1)
     g = speculative_generate(step or model, cache, PROMPT, NEW, Sampler(GREEDY, model.device), chain, n_max=n_max,
-                             prefill_chunk=CHUNK, control=control, device_rounds=device_rounds)
+                             prefill_chunk=CHUNK, control=control, device_rounds=device_rounds, run_ahead=run_ahead)
     return g, mtp, control, cache
 
 
@@ -143,8 +144,11 @@ def test_the_first_draft_is_the_heads_chain_over_the_prompts_rows(model, files):
     assert len(hs) == -(-len(PROMPT) // CHUNK) and got == want.tolist()
 
 
-def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, files, monkeypatch):
-    """Each round, not only the first: the draft equals ``MTPHead.draft`` run from scratch over
+@pytest.mark.parametrize("policy, run_ahead", [(None, False), ("eject", False), ("eject", True)],
+                         ids=["kept", "ejected and re-enabled", "ejected, plain steps run ahead"])
+def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, files, monkeypatch, policy, run_ahead):
+    """Each round, not only the first, and after an eject and a re-enable (the rows of the tokens
+    decoded while ejected made from the states kept on the host): the draft equals ``MTPHead.draft`` run from scratch over
     every committed row (a fresh dense head cache; the target's hidden states recomputed in one
     pass through a cache of the engine's page types, q8_0 / q4_0: a dense target cache's states
     differ enough to flip later drafts of this random head), so the rows fed after each
@@ -158,8 +162,9 @@ def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, fi
         return out
 
     monkeypatch.setattr(MTPDraft, "_draft", spy)
-    _, mtp, _, _ = run_mtp(model, files)
-    assert len(rounds) >= 8
+    policy = Scripted(at=3, back=12) if policy else None
+    _, mtp, control, _ = run_mtp(model, files, policy=policy, run_ahead=run_ahead)
+    assert len(rounds) >= 8 and [t.action for t in control.transitions] == (["eject", "reenable"] if policy else [])
     for history, got in rounds:
         n = len(history)
         with torch.inference_mode():

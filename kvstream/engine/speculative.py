@@ -180,7 +180,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     readback = Readback(dev, (), torch.long)
     on_device = (dev.type == "cuda" if device_rounds is None else device_rounds) and sampler.params.greedy
     rounds = _DeviceRound(dev, n_max) if on_device else None
-    queued = None  # (cache length before it, its logits): a plain step queued ahead
+    queued = None  # (cache length before it, its logits, its hidden states or None): a plain step queued ahead
     length_policy = length_policy or Fixed(n_max)
     watchers = [s for s in chain if getattr(s, "wants_hidden", False)]  # speculators fed the target's states
     observe = (lambda h, toks, start: [s.observe(h, toks, start) for s in watchers]) if watchers else None
@@ -224,17 +224,22 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             n_drafted, width = len(draft), 1 + len(draft)
             draft_s = time.perf_counter() - ts
             if queued is not None:  # this round's step is already on the device
-                (start, logits, stats), queued = queued, None
+                (start, logits, h_round, stats), queued = queued, None
             else:
-                hidden = any(s.enabled for s in watchers)
+                # an ejected MTP head reads the states too: a re-enable catches its KV up from them
+                hidden = bool(watchers)
                 res = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True, hidden=hidden)
                 logits, h_round = res if hidden else (res, None)
                 stats = cache.stats  # this step's (a queued next step gets its own)
             if ahead and plain and len(out) + 1 < max_new_tokens:
                 tok = sampler(logits[0])  # what accept() samples for a round without a draft, kept on the device
                 readback.start(tok)
-                queued = (cache.length, model(tok.view(1), cache, all_logits=True), cache.stats)  # the next round's step
+                at = cache.length
+                res = model(tok.view(1), cache, all_logits=True, hidden=bool(watchers))  # the next round's step
+                queued = (at, *(res if watchers else (res, None)), cache.stats)
                 kept = [int(readback.read())]
+                if h_round is not None:
+                    observe(h_round[:1], kept, start)
             else:
                 kept = accept(logits, draft, sampler, chain.last_probs, synthetic_acceptance)
                 if h_round is not None:

@@ -17,8 +17,9 @@ On CUDA (``graphs``, the engine's ``cuda_graphs``) each feed and draft step of u
 replays a graph captured per width at the warm-up (``HeadStep`` through ``GraphedModel``): run
 eagerly, a head step cost 2-2.7 ms of host work on the H200 against 0.18 ms captured
 (``results/mtp_h200``).
-While ejected the head sees no rows: after a re-enable its KV lacks the rows of the tokens decoded
-meanwhile (drafting stays lossless; only its attention over that stretch is missing).
+While ejected the head still reads the target's states, into host memory (``d`` values a token);
+the first round after a re-enable makes their rows, so its KV holds every committed row again,
+like the draft model's catch-up from the tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from kvstream.speculators.pinned import pin_kv, unpin
 from kvstream.model.mtp import MTPHead
 from kvstream.speculators.base import Speculator
 from kvstream.speculators.registry import register
+
+
+CATCH_UP_CHUNK = 256  # rows per eager pass when a re-enable catches the head's KV up
 
 
 class HeadStep:
@@ -94,6 +98,7 @@ class MTPDraft(Speculator):
         self.enabled = False  # until pinned
         self.committed = 0  # rows of the head's KV that are committed history (positions 1..committed)
         self._rows: tuple[torch.Tensor, list[int], int] | None = None  # (h, next tokens, first position): not yet fed
+        self._backlog: list[tuple[torch.Tensor, int]] = []  # (h on the host, first position): rows seen while ejected
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0
 
@@ -135,7 +140,9 @@ class MTPDraft(Speculator):
         """Give the pinned bytes back; the head's KV stays on the host. Returns the bytes freed."""
         for p in self.head.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # nothing may read the arena's bytes now
-        self._rows = None  # rows seen while pinned but not fed: lost with the eject (the gap, module docstring)
+        if self._rows is not None:  # rows seen while pinned but not fed: the re-enable feeds them
+            self._backlog.append((self._rows[0].to("cpu", non_blocking=True), self._rows[2]))
+            self._rows = None
         return unpin(self, arena)
 
     # ---- the target's rows --------------------------------------------------------------
@@ -143,8 +150,12 @@ class MTPDraft(Speculator):
     def observe(self, h: torch.Tensor, tokens: list[int], start: int) -> None:
         """Committed target rows: ``h`` [m, d] the pre-norm states at positions start..start+m-1,
         ``tokens`` the m tokens at positions start+1.. (the last may be the one just sampled).
-        Their KV rows are made at the next round (prefill chunks: at once, all but the last)."""
-        if not self.enabled:
+        Their KV rows are made at the next round (prefill chunks: at once, all but the last).
+        Ejected (after a first pin), the states go to the host, and the first round after the
+        re-enable makes their rows (``_catch_up``): the head's KV then lacks nothing."""
+        if not self.enabled or self._backlog:
+            if self.cache is not None:  # (a stream-ordered copy: the catch-up's upload follows it)
+                self._backlog.append((h.to("cpu", non_blocking=True) if not self.enabled else h, start))
             return
         if self._rows is not None:  # a prefill chunk after another: feed the earlier rows now
             ph, pt, ps = self._rows
@@ -182,15 +193,36 @@ class MTPDraft(Speculator):
 
     # ---- drafting -----------------------------------------------------------------------
 
+    def _catch_up(self, history: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make the rows of the states seen while ejected (their tokens: ``history``'s, which holds
+        position p at index p), in runs of consecutive positions; the last row's (logits, h_out)."""
+        entries, self._backlog = self._backlog, []
+        runs: list[tuple[list[torch.Tensor], int]] = []
+        for h, start in entries:
+            if runs and runs[-1][1] + sum(x.shape[0] for x in runs[-1][0]) == start:
+                runs[-1][0].append(h)
+            else:
+                runs.append(([h], start))
+        for parts, start in runs:
+            h = torch.cat([x.to(self.device, non_blocking=True) for x in parts])
+            for lo in range(0, h.shape[0], CATCH_UP_CHUNK):
+                piece = h[lo:lo + CATCH_UP_CHUNK]
+                at = start + lo
+                out = self._feed(piece, history[at + 1:at + 1 + piece.shape[0]], at)
+        return out
+
     def _draft(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """n greedy draft tokens and their top probabilities, on the device (no host sync)."""
-        if self._rows is None or not self.enabled:
+        if not self.enabled or (self._rows is None and not self._backlog):
             return None
-        h, toks, start = self._rows
-        self._rows = None
-        if len(toks) == h.shape[0] - 1:  # the prefill's last row: its token is the one sampled after it
-            toks = toks + [history[-1]]
-        logits, g = self._feed(h, toks, start)
+        if self._backlog:
+            logits, g = self._catch_up(history)
+        else:
+            h, toks, start = self._rows
+            self._rows = None
+            if len(toks) == h.shape[0] - 1:  # the prefill's last row: its token is the one sampled after it
+                toks = toks + [history[-1]]
+            logits, g = self._feed(h, toks, start)
         tokens = torch.empty(n, dtype=torch.long, device=self.device)
         top = torch.ones(n, dtype=torch.float32, device=self.device)
         for i in range(n):
