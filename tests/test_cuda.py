@@ -163,11 +163,11 @@ def test_graphed_decode_across_page_openings_updates_its_copies_instead_of_captu
     assert captures == len(shapes) and updates >= len(plans) - len(shapes) > 0, (captures, updates, len(plans))
 
 
-@pytest.mark.parametrize("order", ["cache first", "one collection"])
+@pytest.mark.parametrize("order", ["cache first", "one collection", "owner first"])
 def test_a_cache_releases_the_graphs_in_its_slab_before_its_pools(tmp_path, order):
     """A cache freed before the GraphedModel that captured into its slab (a failed test's frame
     let go local by local), or both in one garbage collection: the cache resets those graphs
-    before its pools go. The other order aborted the process ("Fatal Python error: Aborted" while
+    before its pools go. The owner freed first: its graphs go with it. The other order aborted the process ("Fatal Python error: Aborted" while
     garbage-collecting, H200, 2026-12-02)."""
     import gc
 
@@ -183,6 +183,10 @@ def test_a_cache_releases_the_graphs_in_its_slab_before_its_pools(tmp_path, orde
         del cache
         gc.collect()
         del graphed
+    elif order == "owner first":  # a discarded GraphedModel's graphs leave the slab with it
+        del graphed
+        assert cache.slab_graphs == []
+        del cache
     else:
         cache.owner, graphed.cache = graphed, cache  # a cycle: freed by the collector, in its order
         del cache, graphed

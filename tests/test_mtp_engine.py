@@ -173,3 +173,32 @@ def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, fi
             want = mtp.head.draft(h, torch.tensor(history[1:]), torch.arange(1, n), len(got),
                                   mtp.head.new_cache(n + 8, torch.float32))
         assert got == want.tolist(), (n, got, want.tolist())
+
+
+def test_rows_observed_before_the_heads_first_draft_are_all_fed(model, files):
+    """Round 1 won by another speculator (or a plain round): the head observes that round's row
+    before it first drafts, while the prompt's last row still waits for its token. Both rows are
+    fed, with the history's tokens: the draft equals ``MTPHead.draft`` over every row. (A prompt
+    whose last chunk is 10 rows: a decode-width feed, which missed a token before the fix.)"""
+    prompt = PROMPT[:650]
+    from kvstream.cache.arena import Arena
+    from kvstream.engine.generate import prefill
+    from kvstream.engine.runner import mtp_head
+
+    head = mtp_head(str(files[1]), model, str(files[0]))
+    mtp = MTPDraft(head, "cpu", max_tokens=1024)
+    mtp.pin(Arena(64 * MIB, "cpu"))
+    hs = []
+    with torch.inference_mode():
+        cache = make_cache(CacheConfig(mode="resident"), ArenaConfig(), model, 1024, CHUNK)
+        logits = prefill(model, cache, prompt, CHUNK,
+                         observe=lambda h, toks, start: (hs.append(h), mtp.observe(h, toks, start)))
+        first = int(logits.argmax())
+        cache.set_phase("decode")
+        step_logits, h = model(torch.tensor([first]), cache, all_logits=True, hidden=True)
+        second = int(step_logits[-1].argmax())
+        mtp.observe(h, [second], len(prompt))
+        got = mtp.propose(prompt + [first, second], 4)
+        want = head.draft(torch.cat(hs + [h]), torch.tensor(prompt[1:] + [first, second]),
+                          torch.arange(1, len(prompt) + 2), 4, head.new_cache(len(prompt) + 8, torch.float32))
+    assert got == want.tolist()

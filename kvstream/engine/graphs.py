@@ -111,11 +111,21 @@ class GraphedModel:
     def _drop(self) -> None:
         """Free every graph; freeing every graph of a pool frees the pool: captures need a new one."""
         if self.graphs:
-            cache = self._cache()
-            if cache is not None and hasattr(cache, "forget_graphs"):
-                cache.forget_graphs(e.graph for e in self.graphs.values())
-            self.graphs.clear()
+            self._release()
             self.pool = torch.cuda.graph_pool_handle()
+
+    def _release(self) -> None:
+        """Let the graphs go: the cache they were captured into holds them until told (keep_graph)."""
+        cache = self._cache()
+        if cache is not None and hasattr(cache, "forget_graphs"):
+            cache.forget_graphs(e.graph for e in self.graphs.values())
+        self.graphs.clear()
+
+    def __del__(self):
+        # a discarded GraphedModel's graphs leave its cache's slab (in a garbage cycle with the
+        # cache, the weak reference is already cleared and the cache's own __del__ resets them)
+        if getattr(self, "graphs", None):
+            self._release()
 
     def _capture(self, n, pos, cache, all_logits, hidden, rows, plan) -> Captured:
         body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)

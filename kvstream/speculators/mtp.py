@@ -159,6 +159,10 @@ class MTPDraft(Speculator):
             return
         if self._rows is not None:  # a prefill chunk after another: feed the earlier rows now
             ph, pt, ps = self._rows
+            if len(pt) < ph.shape[0]:  # the prompt's last row waits for its token (the first sampled):
+                self._rows = None      # both go to the next round, which reads the tokens from the history
+                self._backlog += [(ph, ps), (h, start)]
+                return
             self._feed(ph, pt, ps)
         self._rows = (h, list(tokens), start)
 
@@ -197,12 +201,14 @@ class MTPDraft(Speculator):
         """Make the rows of the states seen while ejected (their tokens: ``history``'s, which holds
         position p at index p), in runs of consecutive positions; the last row's (logits, h_out)."""
         entries, self._backlog = self._backlog, []
-        runs: list[tuple[list[torch.Tensor], int]] = []
+        runs: list[tuple[list[torch.Tensor], int]] = []  # (states, first position) of consecutive rows
+        end = None
         for h, start in entries:
-            if runs and runs[-1][1] + sum(x.shape[0] for x in runs[-1][0]) == start:
+            if start == end:
                 runs[-1][0].append(h)
             else:
                 runs.append(([h], start))
+            end = start + h.shape[0]
         for parts, start in runs:
             h = torch.cat([x.to(self.device, non_blocking=True) for x in parts])
             for lo in range(0, h.shape[0], CATCH_UP_CHUNK):
