@@ -202,3 +202,21 @@ def test_rows_observed_before_the_heads_first_draft_are_all_fed(model, files):
         want = head.draft(torch.cat(hs + [h]), torch.tensor(prompt[1:] + [first, second]),
                           torch.arange(1, len(prompt) + 2), 4, head.new_cache(len(prompt) + 8, torch.float32))
     assert got == want.tolist()
+
+
+def test_host_rows_keep_runs_of_positions_across_blocks(monkeypatch):
+    """The ejected head's backlog: rows across block boundaries come back in order, as runs of
+    consecutive positions (a gap starts a new run), and the store empties for reuse."""
+    from kvstream.speculators import host_rows
+
+    monkeypatch.setattr(host_rows, "BLOCK", 3)
+    store = host_rows.HostRows(4, torch.float32, pin=False)
+    rows = torch.randn(9, 4)
+    store.add(rows[:2], 10)
+    store.add(rows[2:7], 12)  # continues the run, over two block boundaries
+    store.add(rows[7:], 30)  # a gap
+    runs = store.take(torch.device("cpu"))
+    assert [s for s, _ in runs] == [10, 30] and not store and len(store.blocks) == 3
+    assert torch.equal(runs[0][1], rows[:7]) and torch.equal(runs[1][1], rows[7:])
+    store.add(rows[:1], 5)  # reused: the first block again
+    assert torch.equal(store.take(torch.device("cpu"))[0][1], rows[:1]) and len(store.blocks) == 3

@@ -38,6 +38,7 @@ from kvstream.engine.graphs import GraphedModel, warm_widths
 from kvstream.speculators.pinned import pin_kv, unpin
 from kvstream.model.mtp import MTPHead
 from kvstream.speculators.base import Speculator
+from kvstream.speculators.host_rows import HostRows
 from kvstream.speculators.registry import register
 
 
@@ -98,7 +99,8 @@ class MTPDraft(Speculator):
         self.enabled = False  # until pinned
         self.committed = 0  # rows of the head's KV that are committed history (positions 1..committed)
         self._rows: tuple[torch.Tensor, list[int], int] | None = None  # (h, next tokens, first position): not yet fed
-        self._backlog: list[tuple[torch.Tensor, int]] = []  # (h on the host, first position): rows seen while ejected
+        c = head.cfg  # the target's states seen while ejected (and rows waiting with them), on the host
+        self._backlog = HostRows(c.hidden, head.embed.dtype, pin=self.device.type == "cuda")
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0
 
@@ -141,7 +143,7 @@ class MTPDraft(Speculator):
         for p in self.head.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # nothing may read the arena's bytes now
         if self._rows is not None:  # rows seen while pinned but not fed: the re-enable feeds them
-            self._backlog.append((self._rows[0].to("cpu", non_blocking=True), self._rows[2]))
+            self._backlog.add(self._rows[0], self._rows[2])
             self._rows = None
         return unpin(self, arena)
 
@@ -154,14 +156,15 @@ class MTPDraft(Speculator):
         Ejected (after a first pin), the states go to the host, and the first round after the
         re-enable makes their rows (``_catch_up``): the head's KV then lacks nothing."""
         if not self.enabled or self._backlog:
-            if self.cache is not None:  # (a stream-ordered copy: the catch-up's upload follows it)
-                self._backlog.append((h.to("cpu", non_blocking=True) if not self.enabled else h, start))
+            if self.cache is not None:
+                self._backlog.add(h, start)
             return
         if self._rows is not None:  # a prefill chunk after another: feed the earlier rows now
             ph, pt, ps = self._rows
             if len(pt) < ph.shape[0]:  # the prompt's last row waits for its token (the first sampled):
                 self._rows = None      # both go to the next round, which reads the tokens from the history
-                self._backlog += [(ph, ps), (h, start)]
+                self._backlog.add(ph, ps)
+                self._backlog.add(h, start)
                 return
             self._feed(ph, pt, ps)
         self._rows = (h, list(tokens), start)
@@ -200,17 +203,7 @@ class MTPDraft(Speculator):
     def _catch_up(self, history: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Make the rows of the states seen while ejected (their tokens: ``history``'s, which holds
         position p at index p), in runs of consecutive positions; the last row's (logits, h_out)."""
-        entries, self._backlog = self._backlog, []
-        runs: list[tuple[list[torch.Tensor], int]] = []  # (states, first position) of consecutive rows
-        end = None
-        for h, start in entries:
-            if start == end:
-                runs[-1][0].append(h)
-            else:
-                runs.append(([h], start))
-            end = start + h.shape[0]
-        for parts, start in runs:
-            h = torch.cat([x.to(self.device, non_blocking=True) for x in parts])
+        for start, h in self._backlog.take(self.device):
             for lo in range(0, h.shape[0], CATCH_UP_CHUNK):
                 piece = h[lo:lo + CATCH_UP_CHUNK]
                 at = start + lo
