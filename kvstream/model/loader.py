@@ -56,12 +56,12 @@ class ModelConfig:
     context_length: int  # the most tokens a run may hold: the GGUF's, with YaRN factor x original, or max_context
     tied_output: bool
     yarn: Yarn | None = None
-    max_context: bool = False  # context_length is model.max_context's, not the rope's own limit
+    context_overridden: bool = False  # context_length is model.max_context's, not the rope's own limit
 
     @property
     def context_limit(self) -> str:
         """The context limit in words, for errors: ``131072 tokens (YaRN: factor 4 x original 32768)``."""
-        if self.max_context:
+        if self.context_overridden:
             return f"{self.context_length} tokens (model.max_context)"
         if self.yarn is None:
             return f"{self.context_length} tokens (model.rope_scaling=yarn extends it)"
@@ -155,7 +155,7 @@ def read_config(reader: GGUFReader, rope_scaling: str | None = None, rope_factor
         context_length=max_context or context,
         tied_output="output.weight" not in names,
         yarn=yarn,
-        max_context=max_context is not None,
+        context_overridden=max_context is not None,
     )
 
 
