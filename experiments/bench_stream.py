@@ -3,13 +3,14 @@
     python experiments/bench_stream.py --out results/stream [--contexts 4096 16384 32768]
 
 Random weights with the real Qwen2.5-Coder-1.5B shapes (timing does not depend on the values),
-bf16, q8_0 K / q4_0 V pages, CUDA-graph decode steps (``--eager``: without), the ring
+bf16, q8_0 K / q4_0 V pages (``--types``: other pairs), CUDA-graph decode steps (``--eager``: without), the ring
 automatic (one round per layer) unless ``--ring N``. For each context: resident
 mode (the whole context in the arena), then stream mode with arenas holding a fraction of the
 pages. Reported per run: decode tok/s (steps back to back, the host preparing one while the
 device runs the one before, as a decode loop does; ``step_synced_ms``: each step alone, its host
 work included), pages streamed per layer, host->device bytes per step
-and their rate against the pinned-copy ceiling measured in the same run, the step time against
+and their rate against the pinned-copy ceiling measured in the same run, the host store's
+size, the chunked prefill's rate and peak reserved device memory, the step time against
 max(compute-only = resident step, transfer-only = the step's copies alone), and device memory in
 use during decode (as the driver counts it, less the CUDA context) against weights + arena. The
 transfer-only time replays the step's copies from a CUDA graph, as the graphed step issues them
@@ -125,8 +126,13 @@ def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> d
     torch.manual_seed(0)
     with torch.inference_mode():
         prompt = torch.randint(0, model.cfg.vocab_size, (context,), device=model.device)
-        for lo in range(0, context, 1024):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        for lo in range(0, context, 1024):  # chunked prefill, its K/V written through to the host store
             model(prompt[lo:lo + 1024], cache)
+        torch.cuda.synchronize()
+        prefill_s, prefill_peak_mib = time.perf_counter() - t, torch.cuda.max_memory_reserved() / MIB
         cache.set_phase("decode")
         step = GraphedModel(model) if graphs else model
         tok = torch.tensor([1], device=model.device)
@@ -152,6 +158,7 @@ def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> d
     st = cache.stats
     wait = dict(wait_ms=statistics.median(waits) * 1e3, wait_max_ms=max(waits) * 1e3) if None not in waits else {}
     return dict(step_ms=step_s * 1e3, tok_s=1 / step_s, tok_s_untimed=1 / untimed_s, **wait,
+                prefill_s=prefill_s, prefill_tok_s=context / prefill_s, prefill_peak_reserved_mib=prefill_peak_mib,
                 step_synced_ms=statistics.median(times[3:]) * 1e3,
                 streamed_pages=st.streamed_pages, resident_pages=st.resident_pages,
                 rounds=st.rounds, group=cache.group, h2d_bytes=st.h2d_bytes, transfer_only_ms=transfer_only_ms(cache, graphs),
@@ -159,7 +166,7 @@ def decode_run(model, cache, context: int, steps: int, graphs: bool = True) -> d
                 torch_reserved_mib=torch.cuda.memory_reserved() / MIB)
 
 
-MODEL = "Qwen2.5-Coder-1.5B shapes, random weights, bf16, q8_0/q4_0 pages"
+MODEL = "Qwen2.5-Coder-1.5B shapes, random weights, bf16"
 
 
 def plot(df: pd.DataFrame, png: Path) -> None:
@@ -171,7 +178,8 @@ def plot(df: pd.DataFrame, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
-    arm = df["mode"] + df["fraction"].map(lambda f: "" if pd.isna(f) else f" {f:g} of the pages")
+    types = df["types"] + " " if "types" in df and df["types"].nunique() > 1 else ""
+    arm = types + df["mode"] + df["fraction"].map(lambda f: "" if pd.isna(f) else f" {f:g} of the pages")
     for name, g in df.assign(arm=arm).groupby("arm", sort=False):
         ax.plot(g["context"], g["tok_s"], marker="o", label=name)
     ax.set_xscale("log", base=2)
@@ -203,6 +211,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--ring", default="auto", help="ring slots, or auto (one round per layer)")
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
+    ap.add_argument("--types", nargs="+", default=["q8_0/q4_0"], help="K/V page types, K/V each")
     ap.add_argument("--out", default="results/stream")
     ap.add_argument("--plot", type=Path, help="only redraw the figure of this stream_decode.csv (no GPU)")
     args = ap.parse_args()
@@ -216,12 +225,13 @@ def main() -> None:
     model = random_model(QWEN15, dev, torch.bfloat16)
     weights_mib = torch.cuda.memory_allocated() / MIB
     rows = []
-    for ctx in args.contexts:
+    for types, ctx in [(t, c) for t in args.types for c in args.contexts]:
+        type_k, type_v = types.split("/")
         max_tokens = ctx + 3 * args.steps + 16
         arms = [("resident", None)] + [("stream", f) for f in args.fractions]
         base_step = None
         for mode, frac in arms:
-            cc = CacheConfig(mode=mode, type_k="q8_0", type_v="q4_0", ring_pages=args.ring if mode == "stream" else "0",
+            cc = CacheConfig(mode=mode, type_k=type_k, type_v=type_v, ring_pages=args.ring if mode == "stream" else "0",
                              time_waits=True)
             slabs = phase_slabs(cc, model, max_tokens, 1024)
             if frac is None:
@@ -229,7 +239,7 @@ def main() -> None:
             else:  # prefill slab + ring + frac of every layer's pages (decode frees the slab's excess)
                 per_layer = -(-max_tokens // 256)
                 ring = 2 * (per_layer - int(frac * per_layer)) if args.ring == "auto" else int(args.ring)
-                plan = ArenaPlan(slabs["prefill"], ring, pair_bytes("q8_0", "q4_0", QWEN15.n_kv_heads, QWEN15.head_dim))
+                plan = ArenaPlan(slabs["prefill"], ring, pair_bytes(type_k, type_v, QWEN15.n_kv_heads, QWEN15.head_dim))
                 mib = str(plan.mib(QWEN15.n_layers * int(frac * per_layer)))
             gc.collect()  # the previous arm's cache and the reserve passes' scratch caches
             torch.cuda.empty_cache()
@@ -241,7 +251,7 @@ def main() -> None:
                 base_step = r["step_ms"]
             transfer_ms = r["transfer_only_ms"]
             copy_gbps = r["h2d_bytes"] / transfer_ms / 1e6 if transfer_ms else float("nan")
-            r.update(context=ctx, mode=mode, fraction=frac, arena_mib=arena_mib, capacity=cache.capacity,
+            r.update(context=ctx, types=types, host_store_mib=cache.host.nbytes / MIB, mode=mode, fraction=frac, arena_mib=arena_mib, capacity=cache.capacity,
                      weights_mib=weights_mib, copy_gbps=copy_gbps, frac_of_pinned_ceiling=copy_gbps / ceiling,
                      overlap_ratio=r["step_ms"] / max(base_step, transfer_ms), pinned_ceiling_gbps=ceiling,
                      bound_mib=weights_mib + arena_mib, mem_device_mib=r["device_used_mib"] - context_mib,
@@ -264,9 +274,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "stream_decode.csv", index=False)
-    cols = ["context", "mode", "fraction", "arena_mib", "capacity", "streamed_pages", "rounds", "group", "tok_s", "step_synced_ms",
+    cols = ["types", "context", "mode", "fraction", "arena_mib", "capacity", "streamed_pages", "rounds", "group", "tok_s", "step_synced_ms",
             "transfer_only_ms", "transfer_eager_ms", "copy_gbps", "wait_ms", "wait_share", "timing_cost",
-            "frac_of_pinned_ceiling", "overlap_ratio", "slab_mib", "slab_used_mib", "run_beyond_arena_mib", "torch_before_mib", "bound_mib", "device_beyond_mib"]
+            "frac_of_pinned_ceiling", "overlap_ratio", "slab_mib", "slab_used_mib", "host_store_mib", "prefill_tok_s", "prefill_peak_reserved_mib", "run_beyond_arena_mib", "torch_before_mib", "bound_mib", "device_beyond_mib"]
     print(df[cols].round(3).to_string(index=False))
     print(f"pinned ceiling {ceiling:.1f} GB/s")
     plot(df, out / "stream_decode.png")
