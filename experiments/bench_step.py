@@ -45,8 +45,8 @@ def _timed(fn, times: dict, key: str):
 
 
 @torch.inference_mode()
-def measure(path, context: int, steps: int, device: str, profile: bool = False):
-    cfg = kvstream_config(device, "resident", steps + 1)
+def measure(path, context: int, steps: int, device: str, profile: bool = False, weights: str = "dense"):
+    cfg = kvstream_config(device, "resident", steps + 1, weights=weights)
     model, tok = kvstream_model(path, cfg)
     prompt = review_prompt(tok, context, INSTRUCTION)
     cache = make_cache(cfg.cache, cfg.arena, model, len(prompt) + steps + 1, cfg.prefill_chunk)
@@ -110,13 +110,15 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default="results/step")
     ap.add_argument("--profile", action="store_true", help="also the captured step's GPU time by kernel (CUDA)")
+    ap.add_argument("--weights", default="dense", choices=["dense", "q8_0"], help="model.weights: the matrices' format")
     args = ap.parse_args(argv)
     if args.steps < 2:
         raise SystemExit(f"--steps must be >= 2 (got {args.steps}): the first step is not counted")
-    df, kernels = measure(resolve_model(args.model), args.context, args.steps, args.device, args.profile)
+    df, kernels = measure(resolve_model(args.model), args.context, args.steps, args.device, args.profile, args.weights)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"step_{args.device.split(':')[0]}_{Path(args.model).name}_{args.context}.csv"
+    tag = "" if args.weights == "dense" else f"_{args.weights}"
+    name = f"step_{args.device.split(':')[0]}_{Path(args.model).name}_{args.context}{tag}.csv"
     df.to_csv(out / name, index=False)
     med = df.iloc[1:].median()  # the first step carries the warm-up's tail
     host = med["wall"] - med["gpu"]
@@ -126,7 +128,7 @@ def main(argv=None) -> None:
     print("host phases (median ms): " + ", ".join(f"{p} {1e3 * med[p]:.3f}" for p in PHASES if p in med))
     print(f"wrote {out / name}")
     if kernels is not None:
-        kname = out / f"kernels_{Path(args.model).name}_{args.context}.csv"
+        kname = out / f"kernels_{Path(args.model).name}_{args.context}{tag}.csv"
         kernels.to_csv(kname, index=False)
         print(f"GPU time by kernel ({kernels.us_per_step.sum():.0f} us/step in {kernels.calls_per_step.sum():.0f} "
               f"launches), the top 25:")

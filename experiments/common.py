@@ -23,7 +23,8 @@ from hydra import compose, initialize_config_module
 
 from kernels.formats import PageFormat
 from kvstream.cli.ppl import PplConfig, run
-from kvstream.config import ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware, quote_free_text, to_typed
+from kvstream.config import (ArenaConfig, CacheConfig, EngineConfig, GenerateConfig, Hardware, ModelSource, quote_free_text,
+                             to_typed)
 from kvstream.engine.runner import DRAFT_HOSTS
 from kvstream.eval.perplexity import stdlib_text
 from kvstream.model.loader import ModelConfig, open_gguf
@@ -118,24 +119,27 @@ _TARGETS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): on
 
 def load_target(cfg: GenerateConfig):
     """(model, tokenizer, GGUF sha256) of ``cfg.model`` on ``cfg.hardware``, loaded once per process."""
-    key = (cfg.model.source, *cfg.model.rope.values(), cfg.hardware.dtype, cfg.hardware.device)
+    key = (cfg.model.source, *cfg.model.load.values(), cfg.hardware.dtype, cfg.hardware.device)
     if key not in _TARGETS:
         path = resolve_model(cfg.model.source)
         reader = open_gguf(path)
         sha = MODELS[cfg.model.source].sha256 if cfg.model.source in MODELS else sha256_file(path)
-        model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope)
+        model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.load)
         _TARGETS[key] = (model, Tokenizer.from_gguf(reader), sha)
-        if cfg.spec.draft.source == cfg.model.source and model.device.type == "cpu" and not any(cfg.model.rope.values()):
+        if cfg.spec.draft.source == cfg.model.source and model.device.type == "cpu" and not any(cfg.model.rope.values()) \
+                and cfg.model.weights == "dense":
             # a model drafting for itself on the CPU: the draft's host weights are these (it pins copies), not a
             # second load of the same file
             DRAFT_HOSTS.setdefault((cfg.spec.draft.source, str(model.dtype), str(model.device)), model)
     return _TARGETS[key]
 
 
-def kvstream_config(device, mode, new, graphs=True):
-    """A run of ``new`` tokens (EOS ignored, default sampling: greedy) in cache ``mode``, arena sized automatically."""
+def kvstream_config(device, mode, new, graphs=True, weights="dense"):
+    """A run of ``new`` tokens (EOS ignored, default sampling: greedy) in cache ``mode``, arena sized
+    automatically, the model's matrices ``weights`` (dense or q8_0)."""
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return GenerateConfig(hardware=Hardware(device, dtype), cache=CacheConfig(mode=mode), arena=ArenaConfig("auto"),
+    return GenerateConfig(model=ModelSource(weights=weights), hardware=Hardware(device, dtype), cache=CacheConfig(mode=mode),
+                          arena=ArenaConfig("auto"),
                           max_new_tokens=new, ignore_eos=True, engine=EngineConfig(cuda_graphs=graphs))
 
 
@@ -143,11 +147,13 @@ _BY_PATH: dict = {}  # path -> (model, tokenizer): the kvstream arms share one l
 
 
 def kvstream_model(path, cfg):
-    """(model, tokenizer) of the GGUF at ``path``, loaded once per process."""
-    if path not in _BY_PATH:
+    """(model, tokenizer) of the GGUF at ``path`` with ``cfg``'s weight format, loaded once per process."""
+    key = (path, cfg.model.weights)
+    if key not in _BY_PATH:
         reader = open_gguf(path)
-        _BY_PATH[path] = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device), Tokenizer.from_gguf(reader)
-    return _BY_PATH[path]
+        model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, weights=cfg.model.weights)
+        _BY_PATH[key] = model, Tokenizer.from_gguf(reader)
+    return _BY_PATH[key]
 
 
 # ---- study figures ---------------------------------------------------------------------

@@ -259,3 +259,32 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     gate, up = gu.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+# ---- q8_0 weights (kernels/q8_linear.py) ----------------------------------------------------
+
+def q8_weight(w: torch.Tensor, rows_per_pass: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """float W [N, K] -> (q int8 [K/32, N, 32], d fp16 [K/32, N]): W's q8_0 blocks byte for byte
+    as gguf writes them (``quantize``), stored block-major; ``rows_per_pass`` bounds the
+    codec's fp32 temporaries."""
+    N, K = w.shape
+    if K % BLOCK:
+        raise ValueError(f"a q8_0 weight needs K a multiple of {BLOCK}, got [{N}, {K}]")
+    q = torch.empty((K // BLOCK, N, BLOCK), dtype=torch.int8, device=w.device)
+    d = torch.empty((K // BLOCK, N), dtype=torch.float16, device=w.device)
+    for lo in range(0, N, rows_per_pass):
+        b = quantize(w[lo:lo + rows_per_pass], "q8_0").view(-1, K // BLOCK, 34)
+        d[:, lo:lo + b.shape[0]] = b[..., :2].contiguous().view(torch.float16)[..., 0].T
+        q[:, lo:lo + b.shape[0]] = b[..., 2:].contiguous().view(torch.int8).transpose(0, 1)
+    return q, d
+
+
+def q8_dense(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """(q [K/32, N, 32], d [K/32, N]) -> W float32 [N, K] (exact: int8 x fp16 fits fp32)."""
+    return (q.float() * d.float()[..., None]).transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, K] @ W^T (+ bias) in float32, rounded once to x's dtype."""
+    y = x.float() @ q8_dense(q, d).T
+    return (y if bias is None else y + bias.float()).to(x.dtype)

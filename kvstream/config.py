@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from kernels.formats import KV_TYPES
+from kvstream.model.weights import WEIGHT_FORMATS
 from policies import chain_order, draft_length, eject
 from policies.residency import RESIDENCY
 
@@ -53,10 +54,13 @@ class ModelSource:
     yarn_orig_ctx: int | None = None    # YaRN: the context the model was trained at (Qwen2.5: 32768)
     max_context: int | None = None      # tokens a run may hold; null: the model's limit. Above it: a run past
     #                                     the context its rope was trained for, on purpose (results/long_context)
+    weights: str = "dense"              # dense (hardware.dtype) | q8_0: matrices in q8_0 blocks, quantized from
+    #                                     the file's values at load (kernels/q8_linear.py reads them on CUDA)
 
     def __post_init__(self):
         if self.rope_scaling is not None:
             _choose("model.rope_scaling", self.rope_scaling, ("none", "yarn"))
+        _choose("model.weights", self.weights, WEIGHT_FORMATS)
         if self.rope_factor is not None and not self.rope_factor >= 1:
             raise ValueError(f"model.rope_factor={self.rope_factor}: give a factor >= 1")
         if self.yarn_orig_ctx is not None and self.yarn_orig_ctx < 1:
@@ -73,6 +77,11 @@ class ModelSource:
         """The rope overrides as ``read_config`` / ``load_model`` take them."""
         return dict(rope_scaling=self.rope_scaling, rope_factor=self.rope_factor, yarn_orig_ctx=self.yarn_orig_ctx,
                     max_context=self.max_context)
+
+    @property
+    def load(self) -> dict:
+        """``load_model``'s keyword arguments: the rope overrides and the weight format."""
+        return self.rope | {"weights": self.weights}
 
 
 @dataclass

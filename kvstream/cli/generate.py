@@ -30,7 +30,7 @@ def run(cfg: GenerateConfig, out=sys.stdout) -> None:
         raise ValueError("prompt='': give a prompt of at least one character (or chat=true)")
     reader = open_gguf(resolve_model(cfg.model.source))
     tok = Tokenizer.from_gguf(reader)
-    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope)
+    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.load)
     text = cfg.prompt
     if cfg.chat:
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": text}]

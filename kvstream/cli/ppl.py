@@ -79,7 +79,7 @@ def run(cfg: PplConfig, out=sys.stdout) -> dict:
     chunks = split_chunks(tokens, cfg.ctx, n_chunks, tok.bos_id if tok.add_bos else None)
     check_run(chunks, read_config(reader, **cfg.model.rope), batch=cfg.batch, logits_format=cfg.logits_format,
               save_logits=cfg.save_logits, compare_logits=cfg.compare_logits, force=cfg.force)  # before loading the weights
-    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.rope)
+    model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, **cfg.model.load)
     meta = {"text": source, "model": str(cfg.model.source), "hardware": dataclasses.asdict(cfg.hardware)}
     new_cache = lambda n: make_cache(cfg.cache, cfg.arena, model, n, cfg.batch, all_logits=True)  # one per chunk
     result = perplexity(model, chunks, batch=cfg.batch, make_cache=new_cache, save_logits=cfg.save_logits,

@@ -36,6 +36,7 @@ from kernels.reference import rms_norm, rope, rope_angles, silu_mul
 
 from kvstream.cache.contiguous import ContiguousCache
 from kvstream.model.qwen import Qwen
+from kvstream.model.weights import Q8, embedding, linear
 
 
 def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
@@ -89,7 +90,7 @@ class MTPHead(torch.nn.Module):
         """Bytes the head adds to the target: its own weights, and the gathered LM-head rows of a
         draft vocabulary (its one layer of KV is the cache's)."""
         own = sum(p.numel() * p.element_size() for p in self.parameters())
-        return own + (0 if self.d2t is None else self.lm_rows.numel() * self.lm_rows.element_size())
+        return own + (0 if self.d2t is None else self.lm_rows.nbytes)
 
     @property
     def draft_vocab(self) -> int:
@@ -103,7 +104,7 @@ class MTPHead(torch.nn.Module):
 
     def _input(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         eps, dt = self.cfg.rms_eps, self.eh_proj.dtype
-        e = F.embedding(tokens, self.embed).to(dt)
+        e = embedding(tokens, self.embed, dt).to(dt)
         return F.linear(torch.cat((rms_norm(e, self.enorm, eps), rms_norm(h.to(dt), self.hnorm, eps)), -1), self.eh_proj)
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor):
@@ -120,7 +121,7 @@ class MTPHead(torch.nn.Module):
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """[n, d] block outputs -> [n, draft_vocab] float32 logits."""
         h = rms_norm(g, self.out_norm, self.cfg.rms_eps)
-        return F.linear(h.to(self.lm_rows.dtype), self.lm_rows).float()
+        return linear(h if isinstance(self.lm_rows, Q8) else h.to(self.lm_rows.dtype), self.lm_rows).float()
 
     # ---- inference ---------------------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from gguf import GGUFReader
 
 from kernels.reference import rms_norm, rope_inv_freq
@@ -20,6 +19,7 @@ from kernels.reference import rms_norm, rope_inv_freq
 from kvstream.cache.contiguous import ContiguousCache
 from kvstream.model.layer_ops import LayerOps
 from kvstream.model.loader import ModelConfig, load_weights, open_gguf, read_config
+from kvstream.model.weights import MATRICES, WEIGHT_FORMATS, Q8, embedding, flat, linear, unflat
 
 
 @dataclass
@@ -55,18 +55,43 @@ class Layer:
 
 
 class Qwen:
-    """Weights of a Qwen2/Qwen3 model and its forward pass."""
+    """Weights of a Qwen2/Qwen3 model and its forward pass. ``weight_format`` q8_0 holds the
+    matrices (``weights.MATRICES``) in q8_0 blocks, quantized from ``weights``' values, and the
+    rest in ``dtype`` (default: the weights' dtype), which is also the activations' dtype."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str = "dense",
+                 dtype: torch.dtype | None = None):
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format {weight_format!r}: one of {', '.join(WEIGHT_FORMATS)}")
         self.cfg = cfg
         w = dict(weights)  # fusing pops the parts, so each layer's peak is one extra copy
         self.embed = w["token_embd.weight"]
+        self._dtype = dtype or self.embed.dtype
+        self.weight_format = weight_format
         self.out_norm = w["output_norm.weight"]
         self.lm_head = self.embed if cfg.tied_output else w["output.weight"]
         self.layers = [Layer.from_weights(w, i) for i in range(cfg.n_layers)]
+        if weight_format == "q8_0" or self._dtype != self.embed.dtype:
+            self._convert(weight_format == "q8_0")
         self.ops = LayerOps(self.embed.device)
         yarn = asdict(cfg.yarn) if cfg.yarn else {}
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_base, self.embed.device, **yarn)
+
+    def _convert(self, q8: bool) -> None:
+        """Every weight to the compute dtype, the matrices to q8_0 blocks when ``q8``; one layer at
+        a time, so the peak is the source weights plus one layer."""
+        done = {}  # a tied LM head is converted once, with the embedding
+
+        def conv(name, t):
+            if t is None:
+                return None
+            if id(t) not in done:
+                done[id(t)] = Q8.of(t) if q8 and name in MATRICES else t.to(self._dtype)
+            return done[id(t)]
+
+        self.embed, self.lm_head = conv("embed", self.embed), conv("lm_head", self.lm_head)
+        self.out_norm = conv("out_norm", self.out_norm)
+        self.layers = [replace(L, **{f.name: conv(f.name, getattr(L, f.name)) for f in fields(L)}) for L in self.layers]
 
     @property
     def device(self) -> torch.device:
@@ -74,7 +99,8 @@ class Qwen:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        """The activations' dtype (and the dense weights')."""
+        return self._dtype
 
     def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
         """tokens [n] (int64, on the model's device) -> logits [n, vocab] or [1, vocab] (the last);
@@ -101,12 +127,12 @@ class Qwen:
         n = tokens.shape[0]
         cache.start_step()
         angles = ops.angles(pos, self.inv_freq, self.dtype, self.rope_scale)
-        x, delta = F.embedding(tokens, self.embed), None
+        x, delta = embedding(tokens, self.embed, self.dtype), None
         H, D = cfg.n_heads, cfg.head_dim
         qk_width = (H + cfg.n_kv_heads) * D
         for i, L in enumerate(self.layers):
             x, h = ops.add_rms_norm(x, L.attn_norm, eps, delta)  # the previous block's residual add too
-            qkv = F.linear(h, L.wqkv, L.bqkv)
+            qkv = linear(h, L.wqkv, L.bqkv)
             # q and k heads side by side: one RoPE over both
             qk = qkv[:, :qk_width].view(n, -1, D)
             v = qkv[:, qk_width:].view(n, cfg.n_kv_heads, D)
@@ -114,24 +140,27 @@ class Qwen:
                 qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)), 1)
             qk = ops.rope(qk, angles, self.inv_freq, self.rope_scale)
             a = cache.attend(i, qk[:, :H], qk[:, H:], v).reshape(n, H * D)
-            x, h = ops.add_rms_norm(x, L.ffn_norm, eps, F.linear(a, L.wo))
-            delta = F.linear(ops.silu_mul(F.linear(h, L.w_gate_up)), L.w_down)
+            x, h = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a, L.wo))
+            delta = linear(ops.silu_mul(linear(h, L.w_gate_up)), L.w_down)
         if not all_logits and not hidden:
             x, delta = x[-1:], delta[-1:]
         x, h = ops.add_rms_norm(x, self.out_norm, eps, delta)
-        logits = F.linear(h if all_logits else h[-1:], self.lm_head).float()
+        logits = linear(h if all_logits else h[-1:], self.lm_head).float()
         cache.end_step()
         return (logits, x) if hidden else logits
 
     __call__ = forward
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every weight tensor by name (a tied output head appears once, as the embedding)."""
-        out = {"embed": self.embed, "out_norm": self.out_norm}
+        """Every weight tensor by name (a tied output head appears once, as the embedding; a q8_0
+        weight as its quants ``NAME.q`` and scales ``NAME.d``)."""
+        out = flat("embed", self.embed) | flat("out_norm", self.out_norm)
         if self.lm_head is not self.embed:
-            out["lm_head"] = self.lm_head
+            out |= flat("lm_head", self.lm_head)
         for i, L in enumerate(self.layers):
-            out.update({f"{i}.{f.name}": getattr(L, f.name) for f in fields(L) if getattr(L, f.name) is not None})
+            for f in fields(L):
+                if getattr(L, f.name) is not None:
+                    out |= flat(f"{i}.{f.name}", getattr(L, f.name))
         return out
 
     @property
@@ -144,9 +173,10 @@ class Qwen:
         new = {name: fn(name, t) for name, t in self.tensors().items()}
         other = object.__new__(Qwen)
         other.__dict__.update(self.__dict__)
-        other.embed, other.out_norm = new["embed"], new["out_norm"]
-        other.lm_head = new.get("lm_head", other.embed)
-        other.layers = [replace(L, **{f.name: new[f"{i}.{f.name}"] for f in fields(L) if getattr(L, f.name) is not None})
+        other.embed, other.out_norm = unflat("embed", self.embed, new), unflat("out_norm", self.out_norm, new)
+        other.lm_head = other.embed if self.lm_head is self.embed else unflat("lm_head", self.lm_head, new)
+        other.layers = [replace(L, **{f.name: unflat(f"{i}.{f.name}", getattr(L, f.name), new)
+                                      for f in fields(L) if getattr(L, f.name) is not None})
                         for i, L in enumerate(self.layers)]
         other.inv_freq = self.inv_freq.to(other.embed.device)
         other.ops = LayerOps(other.embed.device)
@@ -157,9 +187,14 @@ class Qwen:
         return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, self.dtype, self.device)
 
 
-def load_model(gguf, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **rope) -> Qwen:
-    """Load a GGUF (a path, or an open ``GGUFReader``) into a :class:`Qwen` on ``device`` in ``dtype``;
-    ``rope`` (rope_scaling, rope_factor, yarn_orig_ctx) overrides the file's rope scaling (``read_config``)."""
+def load_model(gguf, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               weights: str = "dense", **rope) -> Qwen:
+    """Load a GGUF (a path, or an open ``GGUFReader``) into a :class:`Qwen` on ``device`` in ``dtype``,
+    its matrices in q8_0 blocks with ``weights="q8_0"`` (quantized from the file's values in fp32);
+    ``rope`` (rope_scaling, rope_factor, yarn_orig_ctx, max_context) overrides the file's rope
+    scaling (``read_config``)."""
     reader = gguf if isinstance(gguf, GGUFReader) else open_gguf(gguf)
     cfg = read_config(reader, **rope)
-    return Qwen(cfg, load_weights(reader, cfg, dtype, device))
+    if weights == "dense":
+        return Qwen(cfg, load_weights(reader, cfg, dtype, device))
+    return Qwen(cfg, load_weights(reader, cfg, torch.float32, device), weights, dtype)

@@ -99,8 +99,8 @@ class MTPDraft(Speculator):
         self.enabled = False  # until pinned
         self.committed = 0  # rows of the head's KV that are committed history (positions 1..committed)
         self._rows: tuple[torch.Tensor, list[int], int] | None = None  # (h, next tokens, first position): not yet fed
-        c = head.cfg  # the target's states seen while ejected (and rows waiting with them), on the host
-        self._backlog = HostRows(c.hidden, head.embed.dtype, pin=self.device.type == "cuda")
+        c = head.cfg  # the target's states (its dtype: the shared final norm's) seen while ejected, on the host
+        self._backlog = HostRows(c.hidden, head.out_norm.dtype, pin=self.device.type == "cuda")
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0
 

@@ -1,0 +1,134 @@
+"""x @ W^T with W held in GGML q8_0 blocks: weights read at 1.06 bytes per value instead of
+bf16's 2 (at batch 1 a decode step is a pass over its weights), dequantized in registers.
+
+``q8_linear(x, q, d, bias)``: x [n, K] (fp16 / bf16 / fp32), W [N, K] as ``q`` int8
+[K/32, N, 32] (block-major: the 32 quants of block kb of every row, rows side by side, so a
+program's tile of one block is one contiguous run) and ``d`` fp16 [K/32, N] (each block's
+scale), bias [N] or None -> [n, N] in x's dtype.
+
+Per block of 32: ``p = x_blk . q_blk`` on the tensor cores (the quants cast exactly to x's
+dtype: |q| <= 128 fits bf16's 8 bits), then ``acc += p * d`` in fp32, as llama.cpp's q8_0
+kernels scale per block after the integer-exact dot. The reference (``kernels.reference.
+q8_linear``) dequantizes to fp32 first; only the fp32 summation order differs (and x's own
+rounding to the dot's input type, none for fp16 / bf16). ``SPLIT`` > 1 divides the K blocks
+among programs whose fp32 partials a second kernel adds in a fixed order (deterministic, no
+atomics): for weights with few rows (N / BN programs < the SMs).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+QK = 32  # values per q8_0 block
+
+
+class Launch(NamedTuple):
+    bm: int
+    bn: int
+    split: int
+    warps: int
+    stages: int
+
+
+def launch(n: int, N: int, K: int) -> Launch:
+    """Tile sizes for one call, from its shape alone (graph-capturable, no autotuning): one
+    16-row M tile for decode and verify batches, rows enough for ~2 programs per SM, K split
+    where the rows alone are too few (``experiments/bench_q8_linear.py`` measures these)."""
+    if n > 16:
+        return Launch(64, 64, 1, 4, 3)
+    bn = 64 if N >= 8192 else 32 if N >= 4096 else 16
+    programs = triton.cdiv(N, bn)
+    split = 1
+    while programs * split < 264 and (K // QK) // (2 * split) >= 16:
+        split *= 2
+    return Launch(16, bn, split, 4, 4)
+
+
+@triton.jit
+def _q8_linear_kernel(x, q, d, bias, out, ws, n, N, K, x_stride,
+                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr):
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    r32 = tl.arange(0, 32)
+    mn, mm = rn < N, rm < n
+    nb = K // 32
+    per = tl.cdiv(nb, SPLIT)
+    lo = pid_s * per
+    hi = tl.minimum(lo + per, nb)
+    # pointers at block lo, advanced a block per iteration (q's numel < 2^31: offsets fit int32)
+    xp = x + rm[:, None].to(tl.int64) * x_stride + lo * 32 + r32[None, :]
+    qp = q + lo * N * 32 + rn[None, :] * 32 + r32[:, None]  # [32, BN]: one block of rows rn
+    dp = d + lo * N + rn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(lo, hi):
+        xt = tl.load(xp, mask=mm[:, None], other=0.0)
+        qt = tl.load(qp, mask=mn[None, :], other=0)
+        dt = tl.load(dp, mask=mn, other=0.0).to(tl.float32)
+        xp += 32
+        qp += N * 32
+        dp += N
+        if IEEE:
+            p = tl.dot(xt, qt.to(xt.dtype), input_precision="ieee")
+        else:
+            p = tl.dot(xt, qt.to(xt.dtype))
+        acc += p * dt[None, :]
+    o = rm[:, None].to(tl.int64) * N + rn[None, :]
+    m2 = mm[:, None] & mn[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + o, acc.to(out.dtype.element_ty), mask=m2)
+    else:
+        tl.store(ws + pid_s.to(tl.int64) * n * N + o, acc, mask=m2)
+
+
+@triton.jit
+def _split_sum_kernel(ws, bias, out, total, SPLIT: tl.constexpr, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < total
+    acc = tl.load(ws + o, mask=m, other=0.0)
+    for s in tl.static_range(1, SPLIT):  # in split order: the same sum on every run
+        acc += tl.load(ws + s * total + o, mask=m, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias + o % N, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + o, acc.to(out.dtype.element_ty), mask=m)
+
+
+def check_weight(q: torch.Tensor, d: torch.Tensor) -> None:
+    if q.dim() != 3 or q.shape[2] != QK or q.dtype != torch.int8 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous int8 [K/32, N, 32], got {tuple(q.shape)} {q.dtype}")
+    if d.shape != q.shape[:2] or d.dtype != torch.float16 or not d.is_contiguous():
+        raise ValueError(f"d must be contiguous fp16 {tuple(q.shape[:2])}, got {tuple(d.shape)} {d.dtype}")
+
+
+def q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None,
+              config: Launch | None = None) -> torch.Tensor:
+    """x [n, K] (rows may be strided) @ W^T (+ bias) -> [n, N] in x's dtype; ``config``
+    overrides ``launch`` (benchmarks)."""
+    check_weight(q, d)
+    nb, N, _ = q.shape
+    K = nb * QK
+    if q.numel() >= 2**31:
+        raise ValueError(f"a q8_0 weight of {q.numel()} values: the kernel's offsets are int32 (< 2^31)")
+    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1:
+        raise ValueError(f"x must be [n, {K}] with contiguous rows, got {tuple(x.shape)} stride {x.stride()}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
+    n = x.shape[0]
+    c = config or launch(n, N, K)
+    out = torch.empty((n, N), dtype=x.dtype, device=x.device)
+    ws = torch.empty((c.split, n, N), dtype=torch.float32, device=x.device) if c.split > 1 else out
+    grid = (triton.cdiv(N, c.bn), triton.cdiv(n, c.bm), c.split)
+    b = bias if bias is not None else out
+    _q8_linear_kernel[grid](x, q, d, b, out, ws, n, N, K, x.stride(0), HAS_BIAS=bias is not None, SPLIT=c.split,
+                            IEEE=x.dtype == torch.float32, BM=c.bm, BN=c.bn, num_warps=c.warps, num_stages=c.stages)
+    if c.split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(n * N, block),)](ws, b, out, n * N, c.split, N, HAS_BIAS=bias is not None,
+                                                        BLOCK=block, num_warps=4)
+    return out

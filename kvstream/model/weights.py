@@ -1,0 +1,81 @@
+"""Weight matrices as the forward pass reads them: a dense tensor in the compute dtype, or q8_0
+blocks (``model.weights=q8_0``) read by ``kernels/q8_linear.py`` at 1.06 bytes a value against
+bf16's 2. A decode step at batch 1 is one pass over its weights, so their bytes are its floor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+
+WEIGHT_FORMATS = ("dense", "q8_0")
+MATRICES = ("embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down")  # what q8_0 quantizes; norms and biases stay dense
+
+
+@dataclass(frozen=True)
+class Q8:
+    """W [N, K] in q8_0 blocks, block-major: quants ``q`` int8 [K/32, N, 32], scales ``d`` fp16
+    [K/32, N] (``kernels/q8_linear.py``). Has the few tensor attributes the model asks of a
+    weight (shape, device, data_ptr, nbytes, index_select of rows)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "Q8":
+        """W's q8_0 blocks, as gguf quantizes them from W's values in fp32."""
+        return cls(*reference.q8_weight(w.float()))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.q.shape[1], self.q.shape[0] * self.q.shape[2]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.d.nbytes
+
+    def data_ptr(self) -> int:
+        return self.q.data_ptr()
+
+    def index_select(self, dim: int, rows: torch.Tensor) -> "Q8":
+        """The rows ``rows`` of W (dim 0), gathered (a copy, as ``Tensor.index_select``)."""
+        if dim != 0:
+            raise ValueError("a q8_0 weight selects rows (dim 0) only")
+        return Q8(self.q.index_select(1, rows), self.d.index_select(1, rows))
+
+    def embedding(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``tokens`` of W dequantized to ``dtype`` (exact in fp32, then one rounding)."""
+        return (self.q[:, tokens].float() * self.d[:, tokens].float()[..., None]).transpose(0, 1).reshape(
+            tokens.shape[0], -1).to(dtype)
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias) for a dense or q8_0 weight: the Triton kernel on CUDA, its reference elsewhere."""
+    if not isinstance(w, Q8):
+        return F.linear(x, w, bias)
+    if x.is_cuda:
+        from kernels.q8_linear import q8_linear
+
+        return q8_linear(x, w.q, w.d, bias)
+    return reference.q8_linear(x, w.q, w.d, bias)
+
+
+def embedding(tokens: torch.Tensor, w, dtype: torch.dtype) -> torch.Tensor:
+    return w.embedding(tokens, dtype) if isinstance(w, Q8) else F.embedding(tokens, w)
+
+
+def flat(name: str, w) -> dict[str, torch.Tensor]:
+    """A weight as named tensors: itself, or a q8_0 weight's quants and scales."""
+    return {f"{name}.q": w.q, f"{name}.d": w.d} if isinstance(w, Q8) else {name: w}
+
+
+def unflat(name: str, like, tensors: dict[str, torch.Tensor]):
+    """The weight ``flat(name, like)`` gave, rebuilt from (new) ``tensors``."""
+    return Q8(tensors[f"{name}.q"], tensors[f"{name}.d"]) if isinstance(like, Q8) else tensors[name]
