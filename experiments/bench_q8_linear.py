@@ -9,7 +9,7 @@ as CUDA graphs of calls over weight sets that rotate past the L2 (``common.time_
 read and written, GB/s against the copy ceiling of the same size (``sized_copy_gbps``) and the
 1 GiB read ceiling measured in the same run, bf16 time / q8_0 time, TFLOP/s for the prefill
 rows, and the largest error against the fp32 reference. ``--sweep`` also times the launch grid
-(row tile, K split, pipeline stages) at n = 1 and 5, the data behind ``launch``. Writes
+(row tile, K split, blocks per iteration; tiles and warps for prefill) at n = 1 and 1024, the data behind ``launch``. Writes
 ``q8_linear.csv`` (and ``sweep.csv``) and prints the per-step totals: a decode step's matmuls
 (n_layers x the layer's four, plus the LM head) in q8_0 and bf16.
 """
@@ -58,8 +58,7 @@ def bench(N, K, n, gen, ceil, configs=(None,)) -> list[dict]:
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         us = time_graph([(lambda s=s: q8_linear(x, s[0], s[1], config=c)) for s in sets])
         chosen = c or launch(n, N, K)
-        rows.append(dict(N=N, K=K, n=n, bm=chosen.bm, bn=chosen.bn, split=chosen.split, warps=chosen.warps,
-                         stages=chosen.stages, default=c is None, q8_us=us, bf16_us=bf_us, speedup=bf_us / us,
+        rows.append(dict(N=N, K=K, n=n, **chosen._asdict(), default=c is None, q8_us=us, bf16_us=bf_us, speedup=bf_us / us,
                          q8_gbps=q8_bytes / us / 1e3, frac_sized_copy=q8_bytes / us / 1e3 / sized_copy_gbps(q8_bytes),
                          frac_read=q8_bytes / us / 1e3 / ceil["read_gbps"], bf16_gbps=bf_bytes / bf_us / 1e3,
                          bf16_frac_read=bf_bytes / bf_us / 1e3 / ceil["read_gbps"],
@@ -68,8 +67,10 @@ def bench(N, K, n, gen, ceil, configs=(None,)) -> list[dict]:
 
 
 def sweep_configs(n):
-    return [Launch(16, bn, split, 4, stages) for bn in (16, 32, 64, 128) for split in (1, 2, 4, 8) for stages in (3, 5)
-            if n <= 16]
+    if n > 16:
+        return [Launch(bm, bn, 1, warps, 3, blocks) for bm, bn in ((64, 64), (64, 128), (128, 128)) for blocks in (1, 2)
+                for warps in (4, 8)]
+    return [Launch(16, bn, split, 4, 3, blocks) for bn in (32, 128) for split in (1, 4, 8, 16) for blocks in (4, 8)]
 
 
 def main(argv=None) -> None:
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
                 r = bench(N, K, n, gen, ceil)
                 rows += [dict(model=model, matrix=name, per_step=1 if name == "lm_head" else layers, **x) for x in r]
                 print(rows[-1], flush=True)
-                if args.sweep and n in (1, 5):
+                if args.sweep and n in (1, 1024):
                     swept += [dict(model=model, matrix=name, **x) for x in bench(N, K, n, gen, ceil, sweep_configs(n))]
     commit, dirty = git_state()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit, dirty=dirty,
@@ -111,7 +112,7 @@ def main(argv=None) -> None:
         sw.to_csv(out / "sweep.csv", index=False)
         best = sw.loc[sw.groupby(["model", "matrix", "n"])["q8_us"].idxmin()]
         print("fastest launch per matrix and n:")
-        print(best[["model", "matrix", "n", "bn", "split", "stages", "q8_us", "frac_read"]].round(3).to_string(index=False))
+        print(best[["model", "matrix", "n", "bm", "bn", "split", "blocks", "warps", "q8_us", "frac_read", "q8_tflops"]].round(3).to_string(index=False))
 
 
 if __name__ == "__main__":

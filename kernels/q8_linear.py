@@ -26,31 +26,33 @@ QK = 32  # values per q8_0 block
 
 
 class Launch(NamedTuple):
-    bm: int
-    bn: int
-    split: int
+    bm: int  # rows of x per program (16: one tile holds a decode or verify batch)
+    bn: int  # weight rows per program
+    split: int  # programs along K (their partials summed by a second kernel)
     warps: int
-    stages: int
+    stages: int  # software-pipeline depth of the K loop
+    blocks: int = 1  # q8_0 blocks per K-loop iteration: bytes in flight per program
 
 
 def launch(n: int, N: int, K: int) -> Launch:
-    """Tile sizes for one call, from its shape alone (graph-capturable, no autotuning): one
-    16-row M tile for decode and verify batches, rows enough for ~2 programs per SM, K split
-    where the rows alone are too few (``experiments/bench_q8_linear.py`` measures these)."""
+    """Tile sizes for one call, from its shape alone (graph-capturable, no autotuning). A
+    decode or verify batch is bound by the weights' bytes, and a program's K loop by the
+    latency of its loads: wide row tiles for weights with many rows, K split until there are
+    ~4 programs per SM (132 on the H200), 8 blocks in flight per iteration
+    (``experiments/bench_q8_linear.py --sweep`` measures the grid)."""
     if n > 16:
-        return Launch(64, 64, 1, 4, 3)
-    bn = 64 if N >= 8192 else 32 if N >= 4096 else 16
-    programs = triton.cdiv(N, bn)
+        return Launch(64, 64, 1, 4, 3, 1)
+    bn = 128 if N >= 16384 else 32
     split = 1
-    while programs * split < 264 and (K // QK) // (2 * split) >= 16:
+    while triton.cdiv(N, bn) * split < 528 and split < 16 and (K // QK) >= 4 * split:
         split *= 2
-    return Launch(16, bn, split, 4, 4)
+    return Launch(16, bn, split, 4, 3, 8)
 
 
 @triton.jit
 def _q8_linear_kernel(x, q, d, bias, out, ws, n, N, K, x_stride,
                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr):
+                      BM: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr):
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BN + tl.arange(0, BN)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -65,18 +67,21 @@ def _q8_linear_kernel(x, q, d, bias, out, ws, n, N, K, x_stride,
     qp = q + lo * N * 32 + rn[None, :] * 32 + r32[:, None]  # [32, BN]: one block of rows rn
     dp = d + lo * N + rn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(lo, hi):
-        xt = tl.load(xp, mask=mm[:, None], other=0.0)
-        qt = tl.load(qp, mask=mn[None, :], other=0)
-        dt = tl.load(dp, mask=mn, other=0.0).to(tl.float32)
-        xp += 32
-        qp += N * 32
-        dp += N
-        if IEEE:
-            p = tl.dot(xt, qt.to(xt.dtype), input_precision="ieee")
-        else:
-            p = tl.dot(xt, qt.to(xt.dtype))
-        acc += p * dt[None, :]
+    for kb in range(lo, hi, BLOCKS):
+        for s in tl.static_range(BLOCKS):  # independent loads: BLOCKS blocks in flight at once
+            okn = mn & (tl.full((BN,), kb + s, tl.int32) < hi)  # the last iteration's blocks past hi: none
+            okm = mm & (tl.full((BM,), kb + s, tl.int32) < hi)
+            xt = tl.load(xp + s * 32, mask=okm[:, None], other=0.0)
+            qt = tl.load(qp + s * N * 32, mask=okn[None, :], other=0)
+            dt = tl.load(dp + s * N, mask=okn, other=0.0).to(tl.float32)
+            if IEEE:
+                p = tl.dot(xt, qt.to(xt.dtype), input_precision="ieee")
+            else:
+                p = tl.dot(xt, qt.to(xt.dtype))
+            acc += p * dt[None, :]
+        xp += BLOCKS * 32
+        qp += BLOCKS * N * 32
+        dp += BLOCKS * N
     o = rm[:, None].to(tl.int64) * N + rn[None, :]
     m2 = mm[:, None] & mn[None, :]
     if SPLIT == 1:
@@ -126,7 +131,8 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Ten
     grid = (triton.cdiv(N, c.bn), triton.cdiv(n, c.bm), c.split)
     b = bias if bias is not None else out
     _q8_linear_kernel[grid](x, q, d, b, out, ws, n, N, K, x.stride(0), HAS_BIAS=bias is not None, SPLIT=c.split,
-                            IEEE=x.dtype == torch.float32, BM=c.bm, BN=c.bn, num_warps=c.warps, num_stages=c.stages)
+                            IEEE=x.dtype == torch.float32, BM=c.bm, BN=c.bn, BLOCKS=c.blocks, num_warps=c.warps,
+                            num_stages=c.stages)
     if c.split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(n * N, block),)](ws, b, out, n * N, c.split, N, HAS_BIAS=bias is not None,

@@ -53,15 +53,16 @@ def test_q8_linear_matches_reference(dtype, n, N, K):
         torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("split", [1, 2, 3])
-def test_split_k_equals_one_pass_up_to_the_sum_order(split):
-    _, (q, d) = _weight(24, 32 * 7, 1)  # 7 blocks: splits of unequal length
+@pytest.mark.parametrize("split, blocks", [(1, 1), (2, 1), (3, 1), (1, 4), (2, 4), (3, 8)])
+def test_split_k_and_blocks_per_iteration_equal_one_pass_up_to_the_sum_order(split, blocks):
+    _, (q, d) = _weight(24, 32 * 7, 1)  # 7 blocks: splits of unequal length, iterations part masked
     x = torch.randn(3, 32 * 7).to(DEVICE)
     q, d, b = q.to(DEVICE), d.to(DEVICE), torch.randn(24).to(DEVICE)
     one = q8_linear(x, q, d, b, Launch(16, 16, 1, 4, 2))
-    out = q8_linear(x, q, d, b, Launch(16, 16, split, 4, 2))
+    c = Launch(16, 16, split, 4, 2, blocks)
+    out = q8_linear(x, q, d, b, c)
     torch.testing.assert_close(out, one, rtol=1e-6, atol=1e-5)  # the same block sums, fp32, regrouped
-    assert torch.equal(out, q8_linear(x, q, d, b, Launch(16, 16, split, 4, 2)))  # deterministic
+    assert torch.equal(out, q8_linear(x, q, d, b, c))  # deterministic
 
 
 def test_launch_splits_only_weights_with_few_rows():
