@@ -35,18 +35,20 @@ class Launch(NamedTuple):
 
 
 def launch(n: int, N: int, K: int) -> Launch:
-    """Tile sizes for one call, from its shape alone (graph-capturable, no autotuning). A
-    decode or verify batch is bound by the weights' bytes, and a program's K loop by the
-    latency of its loads: wide row tiles for weights with many rows, K split until there are
-    ~4 programs per SM (132 on the H200), 8 blocks in flight per iteration
-    (``experiments/bench_q8_linear.py --sweep`` measures the grid)."""
+    """Tile sizes for one call, from its shape alone (graph-capturable, no autotuning), the
+    fastest of ``experiments/bench_q8_linear.py --sweep`` on the H200 for the Qwen2.5-Coder
+    shapes (results/kernels/q8_linear): a decode or verify batch (n <= 16) is one 16-row tile;
+    its K loop is bound by load latency, so weights with few rows split K (to ~4 programs per
+    SM) and keep 4 blocks in flight per iteration, while weights with many rows (LM head,
+    gate/up) run 128-row tiles one block at a time, deeper pipelined. Prefill: 128 x 128 tiles."""
     if n > 16:
-        return Launch(64, 64, 1, 4, 3, 1)
-    bn = 128 if N >= 16384 else 32
+        return Launch(128, 128, 1, 8, 3, 2)
+    if N >= 16384:
+        return Launch(16, 128, 2 if N >= 65536 else 4, 4, 5, 1)
     split = 1
-    while triton.cdiv(N, bn) * split < 528 and split < 16 and (K // QK) >= 4 * split:
+    while triton.cdiv(N, 32) * split < 528 and split < 16 and (K // QK) >= 4 * split:
         split *= 2
-    return Launch(16, bn, split, 4, 3, 8)
+    return Launch(16, 32, split, 4, 3, 4)
 
 
 @triton.jit
