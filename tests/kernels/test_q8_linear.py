@@ -65,9 +65,9 @@ def test_split_k_and_blocks_per_iteration_equal_one_pass_up_to_the_sum_order(spl
     assert torch.equal(out, q8_linear(x, q, d, b, c))  # deterministic
 
 
-def test_launch_splits_only_weights_with_few_rows():
-    assert launch(1, 151936, 1536).split == 1  # the LM head: thousands of programs already
-    assert launch(1, 1536, 8960).split > 1  # ffn_down: 96 row tiles
+def test_launch_splits_decode_batches_only_and_few_rows_most():
+    assert launch(1, 1536, 8960).split == 16 and launch(1, 1536, 8960).blocks == 4  # ffn_down: 48 row tiles
+    assert launch(5, 151936, 1536).split <= 2 and launch(5, 151936, 1536).bn == 128  # the LM head: 1187 row tiles
     assert launch(1024, 1536, 8960).split == 1  # prefill tiles are many
 
 
