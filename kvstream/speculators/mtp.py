@@ -15,8 +15,8 @@ last of which starts the draft; each later step feeds its own output state and t
 are rolled back after verification (``_accepted``); the committed rows come with the next round.
 On CUDA (``graphs``, the engine's ``cuda_graphs``) each feed and draft step of up to MAX_N_Q rows
 replays a graph captured per width at the warm-up (``HeadStep`` through ``GraphedModel``): run
-eagerly, a head step cost 2-2.7 ms of host work on the H200 against 0.18 ms captured
-(``results/mtp_h200``).
+eagerly, a head step cost 2-2.7 ms of host work on the H200; captured, a round's feed and 4 steps
+cost 1.5 ms at 4K (``results/mtp_h200_graphed``).
 While ejected the head still reads the target's states, into host memory (``d`` values a token);
 the first round after a re-enable makes their rows, so its KV holds every committed row again,
 like the draft model's catch-up from the tokens.
