@@ -197,4 +197,7 @@ def load_model(gguf, dtype: torch.dtype = torch.float32, device: str | torch.dev
     cfg = read_config(reader, **rope)
     if weights == "dense":
         return Qwen(cfg, load_weights(reader, cfg, dtype, device))
-    return Qwen(cfg, load_weights(reader, cfg, torch.float32, device), weights, dtype)
+    model = Qwen(cfg, load_weights(reader, cfg, torch.float32, device), weights, dtype)
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()  # the fp32 source weights' cached blocks are not the run's memory
+    return model
