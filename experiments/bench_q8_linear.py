@@ -9,7 +9,8 @@ as CUDA graphs of calls over weight sets that rotate past the L2 (``common.time_
 read and written, GB/s against the copy ceiling of the same size (``sized_copy_gbps``) and the
 1 GiB read ceiling measured in the same run, bf16 time / q8_0 time, TFLOP/s for the prefill
 rows, and the largest error against the fp32 reference. ``--sweep`` also times the launch grid
-(row tile, K split, blocks per iteration; tiles and warps for prefill) at n = 1 and 1024, the data behind ``launch``. Writes
+(row tile, K split, blocks per iteration; at n = 1 also the CUDA-core GEMV, ``bm`` 1; tiles and
+warps for prefill) at n = 1 and 1024, the data behind ``launch``. Writes
 ``q8_linear.csv`` (and ``sweep.csv``) and prints the per-step totals: a decode step's matmuls
 (n_layers x the layer's four, plus the LM head) in q8_0 and bf16.
 """
@@ -70,7 +71,9 @@ def sweep_configs(n):
     if n > 16:
         return [Launch(bm, bn, 1, warps, 3, blocks) for bm, bn in ((64, 64), (64, 128), (128, 128)) for blocks in (1, 2)
                 for warps in (4, 8)]
-    return [Launch(16, bn, split, 4, 3, blocks) for bn in (32, 128) for split in (1, 4, 8, 16) for blocks in (4, 8)]
+    mma = [Launch(16, bn, split, 4, 3, blocks) for bn in (32, 128) for split in (1, 4, 8, 16) for blocks in (4, 8)]
+    gemv = [Launch(1, bn, split, 4, 3, blocks) for bn in (32, 128) for split in (1, 4, 16) for blocks in (4, 8)]
+    return mma + (gemv if n == 1 else [])
 
 
 def main(argv=None) -> None:

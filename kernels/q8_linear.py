@@ -10,7 +10,9 @@ Per block of 32: ``p = x_blk . q_blk`` on the tensor cores (the quants cast exac
 dtype: |q| <= 128 fits bf16's 8 bits), then ``acc += p * d`` in fp32, as llama.cpp's q8_0
 kernels scale per block after the integer-exact dot. The reference (``kernels.reference.
 q8_linear``) dequantizes to fp32 first; only the fp32 summation order differs (and x's own
-rounding to the dot's input type, none for fp16 / bf16). ``SPLIT`` > 1 divides the K blocks
+rounding to the dot's input type, none for fp16 / bf16). ``Launch.bm == 1`` runs the same
+arithmetic on the CUDA cores, one row of x per program (a GEMV; not yet measured against the
+MMA kernel, which ``launch`` picks). ``SPLIT`` > 1 divides the K blocks
 among programs whose fp32 partials a second kernel adds in a fixed order (deterministic, no
 atomics): for weights with few rows (N / BN programs < the SMs).
 """
@@ -26,7 +28,7 @@ QK = 32  # values per q8_0 block
 
 
 class Launch(NamedTuple):
-    bm: int  # rows of x per program (16: one tile holds a decode or verify batch)
+    bm: int  # rows of x per program (16: one tile holds a decode or verify batch; 1: the GEMV kernel)
     bn: int  # weight rows per program
     split: int  # programs along K (their partials summed by a second kernel)
     warps: int
@@ -95,6 +97,42 @@ def _q8_linear_kernel(x, q, d, bias, out, ws, n, N, K, x_stride,
 
 
 @triton.jit
+def _q8_gemv_kernel(x, q, d, bias, out, ws, n, N, K, x_stride,
+                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr, BLOCKS: tl.constexpr):
+    """One row of x per program, on the CUDA cores (``Launch.bm == 1``): no 16-row MMA tile to pad
+    a decode row into, no shared-memory operands; per block the 32 products summed, then times the
+    block's scale, as the MMA kernel does."""
+    pid_n, row, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BN + tl.arange(0, BN)
+    sb, r32 = tl.arange(0, BLOCKS), tl.arange(0, 32)
+    mn = rn < N
+    nb = K // 32
+    per = tl.cdiv(nb, SPLIT)
+    lo = pid_s * per
+    hi = tl.minimum(lo + per, nb)
+    xp = x + row.to(tl.int64) * x_stride + lo * 32 + sb[:, None] * 32 + r32[None, :]  # [BLOCKS, 32]
+    qp = q + lo * N * 32 + sb[:, None, None] * N * 32 + rn[None, :, None] * 32 + r32[None, None, :]  # [BLOCKS, BN, 32]
+    dp = d + lo * N + sb[:, None] * N + rn[None, :]  # [BLOCKS, BN]
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for kb in range(lo, hi, BLOCKS):
+        ok = (kb + sb) < hi
+        xt = tl.load(xp, mask=ok[:, None], other=0.0).to(tl.float32)
+        qt = tl.load(qp, mask=ok[:, None, None] & mn[None, :, None], other=0).to(tl.float32)
+        dt = tl.load(dp, mask=ok[:, None] & mn[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(tl.sum(qt * xt[:, None, :], axis=2) * dt, axis=0)
+        xp += BLOCKS * 32
+        qp += BLOCKS * N * 32
+        dp += BLOCKS * N
+    o = row.to(tl.int64) * N + rn
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=mn, other=0.0).to(tl.float32)
+        tl.store(out + o, acc.to(out.dtype.element_ty), mask=mn)
+    else:
+        tl.store(ws + pid_s.to(tl.int64) * n * N + o, acc, mask=mn)
+
+
+@triton.jit
 def _split_sum_kernel(ws, bias, out, total, SPLIT: tl.constexpr, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < total
@@ -132,9 +170,13 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Ten
     ws = torch.empty((c.split, n, N), dtype=torch.float32, device=x.device) if c.split > 1 else out
     grid = (triton.cdiv(N, c.bn), triton.cdiv(n, c.bm), c.split)
     b = bias if bias is not None else out
-    _q8_linear_kernel[grid](x, q, d, b, out, ws, n, N, K, x.stride(0), HAS_BIAS=bias is not None, SPLIT=c.split,
-                            IEEE=x.dtype == torch.float32, BM=c.bm, BN=c.bn, BLOCKS=c.blocks, num_warps=c.warps,
-                            num_stages=c.stages)
+    if c.bm == 1:
+        _q8_gemv_kernel[grid](x, q, d, b, out, ws, n, N, K, x.stride(0), HAS_BIAS=bias is not None, SPLIT=c.split,
+                              BN=c.bn, BLOCKS=c.blocks, num_warps=c.warps, num_stages=c.stages)
+    else:
+        _q8_linear_kernel[grid](x, q, d, b, out, ws, n, N, K, x.stride(0), HAS_BIAS=bias is not None, SPLIT=c.split,
+                                IEEE=x.dtype == torch.float32, BM=c.bm, BN=c.bn, BLOCKS=c.blocks, num_warps=c.warps,
+                                num_stages=c.stages)
     if c.split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(n * N, block),)](ws, b, out, n * N, c.split, N, HAS_BIAS=bias is not None,

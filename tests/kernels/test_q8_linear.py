@@ -65,6 +65,16 @@ def test_split_k_and_blocks_per_iteration_equal_one_pass_up_to_the_sum_order(spl
     assert torch.equal(out, q8_linear(x, q, d, b, c))  # deterministic
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", [Launch(1, 16, 1, 4, 2, 1), Launch(1, 32, 3, 4, 2, 4), Launch(1, 16, 2, 4, 2, 8)])
+def test_the_gemv_kernel_matches_the_reference(dtype, config):
+    """The CUDA-core kernel (bm 1): every row of x, splits and blocks per iteration part masked."""
+    _, (q, d) = _weight(40, 32 * 7, 2)
+    x = torch.randn(3, 32 * 7).to(dtype).to(DEVICE)
+    q, d, b = q.to(DEVICE), d.to(DEVICE), torch.randn(40).to(dtype).to(DEVICE)
+    torch.testing.assert_close(q8_linear(x, q, d, b, config), reference.q8_linear(x, q, d, b), **TOL[dtype])
+
+
 def test_launch_splits_decode_batches_only_and_few_rows_most():
     assert launch(1, 1536, 8960).split == 16 and launch(1, 1536, 8960).blocks == 4  # ffn_down: 48 row tiles
     assert launch(5, 151936, 1536).split <= 2 and launch(5, 151936, 1536).bn == 128  # the LM head: 1187 row tiles
