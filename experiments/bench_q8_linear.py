@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/kernels/q8_linear")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 1024])
-    ap.add_argument("--sweep", action="store_true", help="also time the launch grid at n = 1 and 5")
+    ap.add_argument("--sweep", action="store_true", help="also time the launch grid at n = 1 and 1024")
     args = ap.parse_args(argv)
     if not CUDA:
         raise SystemExit("bench_q8_linear times CUDA kernels: run it on the GPU machine")

@@ -114,7 +114,7 @@ def _source_tokens(tok: Tokenizer) -> list[int]:
     return _SOURCE[id(tok)]
 
 
-_TARGETS: dict = {}  # (source, dtype, device) -> (model, tokenizer, sha256): one load per sweep process
+_TARGETS: dict = {}  # (source, rope and weight options, dtype, device) -> (model, tokenizer, sha256): one load per sweep process
 
 
 def load_target(cfg: GenerateConfig):
@@ -143,7 +143,7 @@ def kvstream_config(device, mode, new, graphs=True, weights="dense"):
                           max_new_tokens=new, ignore_eos=True, engine=EngineConfig(cuda_graphs=graphs))
 
 
-_BY_PATH: dict = {}  # path -> (model, tokenizer): the kvstream arms share one load
+_BY_PATH: dict = {}  # (path, weight format) -> (model, tokenizer): the kvstream arms share one load
 
 
 def kvstream_model(path, cfg):

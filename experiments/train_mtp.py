@@ -78,6 +78,9 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        if self.model.weights != "dense":
+            raise ValueError(f"model.weights={self.model.weights}: the head trains against the dense target (the q8_0 "
+                             "kernel has no backward pass); a head trained so drafts for a q8_0 target too")
         if self.unroll < 1 or self.seq_len < self.unroll + 2:
             raise ValueError(f"unroll={self.unroll}, seq_len={self.seq_len}: need unroll >= 1 and seq_len >= unroll + 2")
         for key in ("batch", "steps", "eval_seqs", "eval_every", "ckpt_every"):

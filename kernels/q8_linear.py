@@ -12,9 +12,9 @@ kernels scale per block after the integer-exact dot. The reference (``kernels.re
 q8_linear``) dequantizes to fp32 first; only the fp32 summation order differs (and x's own
 rounding to the dot's input type, none for fp16 / bf16). ``Launch.bm == 1`` runs the same
 arithmetic on the CUDA cores, one row of x per program (a GEMV; not yet measured against the
-MMA kernel, which ``launch`` picks). ``SPLIT`` > 1 divides the K blocks
-among programs whose fp32 partials a second kernel adds in a fixed order (deterministic, no
-atomics): for weights with few rows (N / BN programs < the SMs).
+MMA kernel, which ``launch`` picks). ``SPLIT`` > 1 divides the K blocks among programs whose
+fp32 partials a second kernel adds in a fixed order (deterministic, no atomics): more programs in
+flight for decode batches, whose K loops are latency-bound.
 """
 from __future__ import annotations
 
@@ -39,10 +39,11 @@ class Launch(NamedTuple):
 def launch(n: int, N: int, K: int) -> Launch:
     """Tile sizes for one call, from its shape alone (graph-capturable, no autotuning), the
     fastest of ``experiments/bench_q8_linear.py --sweep`` on the H200 for the Qwen2.5-Coder
-    shapes (results/kernels/q8_linear): a decode or verify batch (n <= 16) is one 16-row tile;
-    its K loop is bound by load latency, so weights with few rows split K (to ~4 programs per
-    SM) and keep 4 blocks in flight per iteration, while weights with many rows (LM head,
-    gate/up) run 128-row tiles one block at a time, deeper pipelined. Prefill: 128 x 128 tiles."""
+    shapes (results/kernels/q8_linear): a decode or verify batch (n <= 16) is one 16-row tile
+    and its K loop is bound by load latency. Weights of >= 16384 rows (LM head, the 1.5B's
+    gate/up) run 128-row tiles one block per iteration, 5 stages deep, K split 2-4 ways; the
+    others 32-row tiles with 4 blocks in flight per iteration, K split until there are ~4
+    programs per SM (at most 16 ways). Prefill: 128 x 128 tiles."""
     if n > 16:
         return Launch(128, 128, 1, 8, 3, 2)
     if N >= 16384:
@@ -138,7 +139,7 @@ def _split_sum_kernel(ws, bias, out, total, SPLIT: tl.constexpr, N, HAS_BIAS: tl
     m = o < total
     acc = tl.load(ws + o, mask=m, other=0.0)
     for s in tl.static_range(1, SPLIT):  # in split order: the same sum on every run
-        acc += tl.load(ws + s * total + o, mask=m, other=0.0)
+        acc += tl.load(ws + s * total.to(tl.int64) + o, mask=m, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias + o % N, mask=m, other=0.0).to(tl.float32)
     tl.store(out + o, acc.to(out.dtype.element_ty), mask=m)

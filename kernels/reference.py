@@ -284,7 +284,11 @@ def q8_dense(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (q.float() * d.float()[..., None]).transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, K] @ W^T (+ bias) in float32, rounded once to x's dtype."""
-    y = x.float() @ q8_dense(q, d).T
+def q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None,
+              rows_per_pass: int = 16384) -> torch.Tensor:
+    """x [n, K] @ W^T (+ bias) in float32, rounded once to x's dtype; W dequantized
+    ``rows_per_pass`` rows at a time (an LM head's fp32 copy would be ~1 GB)."""
+    xf = x.float()
+    y = torch.cat([xf @ q8_dense(q[:, lo:lo + rows_per_pass], d[:, lo:lo + rows_per_pass]).T
+                   for lo in range(0, q.shape[1], rows_per_pass)], dim=1)
     return (y if bias is None else y + bias.float()).to(x.dtype)

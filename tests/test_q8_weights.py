@@ -1,5 +1,7 @@
 """model.weights=q8_0: the matrices in q8_0 blocks, against the same model with those blocks
-dequantized into dense fp32 weights (an independent path: F.linear on the dequantized values)."""
+dequantized into dense fp32 weights. Both sides dequantize with ``reference.q8_dense`` (the codec
+is checked against gguf in tests/kernels/test_q8_linear.py): these tests check the wiring, i.e.
+which tensors are quantized, the embedding lookup, ties, map_tensors and the MTP head."""
 
 from __future__ import annotations
 
@@ -27,17 +29,19 @@ def models(request, tmp_path_factory):
     q8 = load_model(path, torch.float32, "cpu", weights="q8_0")
     reader = open_gguf(path)
     dense = Qwen(read_config(reader), load_weights(reader, read_config(reader), torch.float32, "cpu"))
-    dense.map_tensors(lambda n, t: t)  # (a no-op copy: map_tensors on a dense model is the path the draft takes)
     # the reference: every matrix replaced by its q8_0 blocks' exact fp32 values
     deq = {n[:-2]: reference.q8_dense(t, q8.tensors()[n[:-2] + ".d"]) for n, t in q8.tensors().items() if n.endswith(".q")}
-    return q8, dense.map_tensors(lambda n, t: deq.get(n, t))
+    return q8, dense.map_tensors(lambda n, t: deq.get(n, t)), path
 
 
 def test_only_the_matrices_are_quantized_and_a_tied_head_once(models):
-    q8, dense = models
+    q8, dense, _ = models
     names = set(q8.tensors())
     assert all(n.rsplit(".", 1)[0].split(".")[-1] in MATRICES for n in names if n.endswith((".q", ".d")))
-    assert isinstance(q8.layers[0].wqkv, Q8) and not isinstance(q8.out_norm, Q8)
+    for L in q8.layers:
+        assert all(isinstance(getattr(L, m), Q8) for m in MATRICES if hasattr(L, m))
+        assert all(t.dtype == torch.float32 for t in (L.attn_norm, L.ffn_norm, L.bqkv, L.q_norm, L.k_norm) if t is not None)
+    assert isinstance(q8.embed, Q8) and isinstance(q8.lm_head, Q8) and q8.out_norm.dtype == q8.dtype == torch.float32
     assert (q8.lm_head is q8.embed) == q8.cfg.tied_output
     # q8_0: 34 bytes per 32 values against fp32's 128; norms and biases unchanged
     ratio = q8.nbytes / dense.nbytes
@@ -45,7 +49,7 @@ def test_only_the_matrices_are_quantized_and_a_tied_head_once(models):
 
 
 def test_logits_equal_the_dequantized_dense_model(models):
-    q8, dense = models
+    q8, dense, _ = models
     ids = torch.randint(0, q8.cfg.vocab_size, (13,))
     with torch.inference_mode():
         a = torch.cat([q8(ids[:9], c := q8.new_cache(32), all_logits=True), q8(ids[9:], c, all_logits=True)])
@@ -56,14 +60,14 @@ def test_logits_equal_the_dequantized_dense_model(models):
 
 
 def test_greedy_decode_equals_the_dequantized_dense_model(models):
-    q8, dense = models
+    q8, dense, _ = models
     prompt = torch.randint(0, q8.cfg.vocab_size, (7,)).tolist()
     greedy = Sampler(SamplingParams(temperature=0))
     assert generate(q8, q8.new_cache(48), prompt, 24, greedy).tokens == generate(dense, dense.new_cache(48), prompt, 24, greedy).tokens
 
 
 def test_map_tensors_rebuilds_q8_weights_from_new_tensors(models):
-    q8, _ = models
+    q8, _, _ = models
     moved = q8.map_tensors(lambda n, t: t.clone())
     assert isinstance(moved.layers[0].w_down, Q8) and moved.layers[0].w_down.q.data_ptr() != q8.layers[0].w_down.q.data_ptr()
     assert (moved.lm_head is moved.embed) == q8.cfg.tied_output
@@ -73,7 +77,7 @@ def test_map_tensors_rebuilds_q8_weights_from_new_tensors(models):
 
 
 def test_an_mtp_head_shares_a_q8_targets_embedding_and_head(models):
-    q8, _ = models
+    q8, _, _ = models
     if q8.cfg.arch != "qwen2":
         pytest.skip("the MTP head is built for qwen2 targets")
     head = MTPHead(q8, d2t=torch.tensor([0, 5, 2, 7]))
@@ -87,7 +91,23 @@ def test_an_mtp_head_shares_a_q8_targets_embedding_and_head(models):
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)  # the gathered rows: the same blocks
 
 
+def test_dtype_follows_the_norms_through_map_tensors(models):
+    q8, dense, _ = models
+    assert dense.map_tensors(lambda n, t: t.to(torch.float16)).dtype == torch.float16
+    path = models[2]
+    half = Qwen(dense.cfg, load_weights(open_gguf(path), dense.cfg, torch.float32, "cpu"), "dense", torch.float16)
+    assert half.dtype == half.layers[0].wqkv.dtype == half.embed.dtype == torch.float16
+
+
 def test_an_unknown_weight_format_is_refused(models):
-    q8, dense = models
+    q8, dense, _ = models
     with pytest.raises(ValueError, match="weight format 'q4'"):
         Qwen(dense.cfg, {}, "q4")
+
+
+def test_training_a_head_refuses_a_q8_target():
+    from experiments.train_mtp import TrainConfig
+    from kvstream.config import ModelSource
+
+    with pytest.raises(ValueError, match="model.weights=q8_0: the head trains against the dense target"):
+        TrainConfig(model=ModelSource(weights="q8_0"))

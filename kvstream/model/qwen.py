@@ -64,7 +64,7 @@ class Qwen:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format {weight_format!r}: one of {', '.join(WEIGHT_FORMATS)}")
         self.cfg = cfg
-        w = dict(weights)  # fusing pops the parts, so each layer's peak is one extra copy
+        w = dict(weights)  # fusing pops the parts from this copy; the caller's dict keeps them until we return
         self.embed = w["token_embd.weight"]
         self._dtype = dtype or self.embed.dtype
         self.weight_format = weight_format
@@ -78,8 +78,8 @@ class Qwen:
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_base, self.embed.device, **yarn)
 
     def _convert(self, q8: bool) -> None:
-        """Every weight to the compute dtype, the matrices to q8_0 blocks when ``q8``; one layer at
-        a time, so the peak is the source weights plus one layer."""
+        """Every weight to the compute dtype, the matrices to q8_0 blocks when ``q8`` (the source
+        tensors stay alive until the constructor returns: ``load_model`` converts on the host)."""
         done = {}  # a tied LM head is converted once, with the embedding
 
         def conv(name, t):
@@ -179,6 +179,7 @@ class Qwen:
                                       for f in fields(L) if getattr(L, f.name) is not None})
                         for i, L in enumerate(self.layers)]
         other.inv_freq = self.inv_freq.to(other.embed.device)
+        other._dtype = other.out_norm.dtype  # the activations' dtype follows the (always dense) norms
         other.ops = LayerOps(other.embed.device)
         return other
 
@@ -197,7 +198,6 @@ def load_model(gguf, dtype: torch.dtype = torch.float32, device: str | torch.dev
     cfg = read_config(reader, **rope)
     if weights == "dense":
         return Qwen(cfg, load_weights(reader, cfg, dtype, device))
-    model = Qwen(cfg, load_weights(reader, cfg, torch.float32, device), weights, dtype)
-    if model.device.type == "cuda":
-        torch.cuda.empty_cache()  # the fp32 source weights' cached blocks are not the run's memory
-    return model
+    # quantized on the host, so the device never holds the fp32 source weights (4x the bf16 model)
+    host = Qwen(cfg, load_weights(reader, cfg, torch.float32, "cpu"), weights, dtype)
+    return host if torch.device(device).type == "cpu" else host.map_tensors(lambda _, t: t.to(device))

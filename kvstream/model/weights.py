@@ -15,7 +15,7 @@ WEIGHT_FORMATS = ("dense", "q8_0")
 MATRICES = ("embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down")  # what q8_0 quantizes; norms and biases stay dense
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors have no truth value: compare by identity
 class Q8:
     """W [N, K] in q8_0 blocks, block-major: quants ``q`` int8 [K/32, N, 32], scales ``d`` fp16
     [K/32, N] (``kernels/q8_linear.py``). Has the few tensor attributes the model asks of a
