@@ -19,13 +19,14 @@ per step, seconds) and prints the medians. ``--profile`` (CUDA) adds
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from experiments.common import INSTRUCTION, kvstream_config, kvstream_model, review_prompt
+from experiments.common import INSTRUCTION, kvstream_config, kvstream_model, provenance, review_prompt
 from kvstream.cache.factory import make_cache
 from kvstream.engine.graphs import GraphedModel
 from kvstream.engine.generate import generate, prefill_phase, sync_device, warm_up
@@ -115,11 +116,13 @@ def main(argv=None) -> None:
     if args.steps < 2:
         raise SystemExit(f"--steps must be >= 2 (got {args.steps}): the first step is not counted")
     df, kernels = measure(resolve_model(args.model), args.context, args.steps, args.device, args.profile, args.weights)
+    meta = dict(model=args.model, weights=args.weights, context=args.context, **provenance(),
+                command=" ".join(["python"] + sys.argv))  # every CSV names what produced it
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "" if args.weights == "dense" else f"_{args.weights}"
     name = f"step_{args.device.split(':')[0]}_{Path(args.model).name}_{args.context}{tag}.csv"
-    df.to_csv(out / name, index=False)
+    df.assign(**meta).to_csv(out / name, index=False)
     med = df.iloc[1:].median()  # the first step carries the warm-up's tail
     host = med["wall"] - med["gpu"]
     print(f"{args.model} {args.device} context {args.context}: median step {1e3 * med['wall']:.3f} ms, "
@@ -129,7 +132,7 @@ def main(argv=None) -> None:
     print(f"wrote {out / name}")
     if kernels is not None:
         kname = out / f"kernels_{Path(args.model).name}_{args.context}{tag}.csv"
-        kernels.to_csv(kname, index=False)
+        kernels.assign(**meta).to_csv(kname, index=False)
         print(f"GPU time by kernel ({kernels.us_per_step.sum():.0f} us/step in {kernels.calls_per_step.sum():.0f} "
               f"launches), the top 25:")
         print(kernels.head(25).to_string(index=False, float_format=lambda v: f"{v:.1f}"))
