@@ -67,7 +67,6 @@ class Qwen:
         w = dict(weights)  # fusing pops the parts from this copy; the caller's dict keeps them until we return
         self.embed = w["token_embd.weight"]
         self._dtype = dtype or self.embed.dtype
-        self.weight_format = weight_format
         self.out_norm = w["output_norm.weight"]
         self.lm_head = self.embed if cfg.tied_output else w["output.weight"]
         self.layers = [Layer.from_weights(w, i) for i in range(cfg.n_layers)]
