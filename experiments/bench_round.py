@@ -3,14 +3,19 @@ alone, and whole rounds with the host reading each draft token or the round on t
 
     python -m experiments.bench_round --target .models/qwen2.5-coder-1.5b.skeleton.gguf \
         --draft .models/qwen2.5-coder-0.5b.skeleton.gguf --context 4096 --k 4
+    python -m experiments.bench_round --target .models/qwen2.5-coder-1.5b.skeleton.gguf --mtp random \
+        --draft-vocab 32768 --context 4096 --k 4      # an MTP head (random weights, made for the target)
 
 Random weights at the real shapes (skeleton GGUFs) with synthetic acceptance 1.0 (every draft
 token kept, every round k + 1 tokens: times only), resident caches, graphed steps. The parts:
 the target's captured 1 + k step and the draft's captured one-token step, replayed alone
 (CUDA events over 50 back-to-back replays); the rounds: ``run_decode`` with
 ``engine.device_rounds`` off and on, each round's host wall time (``StepRecord.step_s``). The
-goal (issue #28): a device round <= verify + k x draft + 0.15 ms. Writes
-``<out>/round_<context>_k<k>.csv`` (one row per arm, with the command and provenance).
+goal (issue #28): a device round <= verify + k x draft + 0.15 ms. With ``--mtp`` the draft is
+an MTP head (a GGUF, or ``random``: seeded random weights made for the target, with
+``--draft-vocab`` rows of its LM head); a round's drafting is then a feed of the k + 1 kept
+rows and k - 1 one-row steps, so its parts are verify + feed + (k - 1) x step. Writes
+``<out>/round_<context>_k<k>[_mtp].csv`` (one row per arm, with the command and provenance).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from experiments.common import provenance
 from kvstream.config import (ArenaConfig, CacheConfig, DraftConfig, EngineConfig, GenerateConfig, Hardware, ModelSource,
-                             SpecConfig)
+                             MTPConfig, SpecConfig)
 from kvstream.engine.graphs import GraphedModel
 from kvstream.engine.runner import run_decode
 from kvstream.model.loader import open_gguf
@@ -33,13 +38,13 @@ from kvstream.model.qwen import load_model
 from kvstream.model.tokenizer import Tokenizer
 
 
-def step_ms(graphed, cache, width: int, reps: int = 50) -> float:
+def step_ms(graphed, cache, width: int, reps: int = 50, hidden: bool = False) -> float:
     """One captured step of ``width`` tokens at the cache's end, replayed ``reps`` times back to
     back (the host queues ahead, as a decode does): device ms per step, by CUDA events."""
     n, tokens = cache.length, torch.randint(0, graphed.cfg.vocab_size, (width,), device="cuda")
 
     def call():
-        graphed(tokens, cache, width > 1)
+        graphed(tokens, cache, width > 1, hidden)
         cache.truncate(n)
     for _ in range(3):  # capture, warm
         call()
@@ -53,24 +58,49 @@ def step_ms(graphed, cache, width: int, reps: int = 50) -> float:
     return a.elapsed_time(b) / reps
 
 
+def random_head(args, model) -> str:
+    """A head of seeded random weights for ``args.target`` (its sha256), written beside ``--out``."""
+    from kvstream.model.mtp import MTPHead
+    from kvstream.model.mtp_gguf import write_head
+    from kvstream.model.registry import sha256_file
+
+    torch.manual_seed(0)
+    vocab = args.draft_vocab or model.cfg.vocab_size
+    d2t = torch.randperm(model.cfg.vocab_size)[:vocab].sort().values if args.draft_vocab else None
+    path = Path(args.out) / "random_head.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_head(path, MTPHead(model, d2t=d2t, seed=0), sha256_file(args.target),
+               {"command": "experiments.bench_round --mtp random", "tokens_seen": 0}, "f16")
+    return str(path)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
+    ap.add_argument("--draft", help="the draft model's GGUF")
+    ap.add_argument("--mtp", help="an MTP head's GGUF, or 'random' (seeded random weights for the target)")
+    ap.add_argument("--draft-vocab", type=int, default=32768, help="--mtp random: LM-head rows (0: all)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
     ap.add_argument("--new", type=int, default=400, help="tokens decoded per arm")
     ap.add_argument("--out", default="results/round")
     args = ap.parse_args(argv)
+    if (args.draft is None) == (args.mtp is None):
+        ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
     if not torch.cuda.is_available():
         raise SystemExit("bench_round times CUDA graphs and device rounds: it needs a GPU")
     reader = open_gguf(args.target)
     model, tok = load_model(reader, torch.bfloat16, "cuda"), Tokenizer.from_gguf(reader)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.mtp:
+        spec = SpecConfig(type="mtp", n_max=args.k, synthetic_acceptance=1.0,
+                          mtp=MTPConfig(source=random_head(args, model) if args.mtp == "random" else args.mtp))
+    else:
+        spec = SpecConfig(type="draft", n_max=args.k, synthetic_acceptance=1.0,
+                          draft=DraftConfig(source=args.draft, p_min=0.0))
     base = GenerateConfig(model=ModelSource(args.target), hardware=Hardware("cuda", "bfloat16"),
                           cache=CacheConfig(mode="resident"), arena=ArenaConfig("auto"), max_new_tokens=args.new,
-                          ignore_eos=True, spec=SpecConfig(type="draft", n_max=args.k, synthetic_acceptance=1.0,
-                                                           draft=DraftConfig(source=args.draft, p_min=0.0)))
+                          ignore_eos=True, spec=spec)
     rows = []
     for device_rounds in (False, True, False, True):  # twice each, interleaved: the second pair is reported
         cfg = replace(base, engine=EngineConfig(device_rounds=device_rounds))
@@ -86,17 +116,23 @@ def main(argv=None) -> None:
     cfg = replace(base, engine=EngineConfig(device_rounds=True), max_new_tokens=8)
     res = run_decode(cfg, model, tok, prompt)
     verify = step_ms(GraphedModel(model), res.cache, 1 + args.k)
-    draft = res.chain.get("draft")
-    draft_step = step_ms(draft.model, draft.cache, 1)
-    floor = verify + args.k * draft_step
-    df = pd.DataFrame(rows).assign(verify_ms=verify, draft_step_ms=draft_step, parts_ms=floor,
+    if args.mtp:  # the head's feed of the k + 1 kept rows, then k - 1 one-row steps
+        head = res.chain.get("mtp")
+        feed, draft_step = (step_ms(head.step, head.cache, w, hidden=True) for w in (1 + args.k, 1))
+        floor = verify + feed + (args.k - 1) * draft_step
+    else:
+        draft = res.chain.get("draft")
+        feed, draft_step = None, step_ms(draft.model, draft.cache, 1)
+        floor = verify + args.k * draft_step
+    df = pd.DataFrame(rows).assign(verify_ms=verify, feed_ms=feed, draft_step_ms=draft_step, parts_ms=floor,
                                    excess_ms=lambda d: d.round_ms - floor, context=args.context, k=args.k,
                                    command=" ".join(["python -m experiments.bench_round", *sys.argv[1:]]), **provenance())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = out / f"round_{args.context}_k{args.k}.csv"
+    name = out / f"round_{args.context}_k{args.k}{'_mtp' if args.mtp else ''}.csv"
     df.to_csv(name, index=False)
-    print(f"verify (1 + {args.k}) {verify:.3f} ms, draft step {draft_step:.3f} ms: parts {floor:.3f} ms")
+    print(f"verify (1 + {args.k}) {verify:.3f} ms, {'' if feed is None else f'feed {feed:.3f} ms, '}"
+          f"draft step {draft_step:.3f} ms: parts {floor:.3f} ms")
     for r in df.itertuples():
         print(f"{r.arm}: round {r.round_ms:.3f} ms (median of {r.rounds}), excess over the parts {r.excess_ms:+.3f} ms, "
               f"draft part {r.draft_ms:.3f} ms, {r.tok_s:.1f} tok/s")

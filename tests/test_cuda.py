@@ -695,9 +695,9 @@ def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path):
 
 
 def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch):
-    """MTPDraft(graphs=True): the head's feeds and draft steps replay captured graphs (one capture
-    per width, at the warm-up), and every round drafts the eager head's tokens (the same
-    kernels on the same bytes)."""
+    """MTPDraft(graphs=True): a round's feed and draft steps replay one captured graph (one capture
+    per feed width, at the warm-up; wider feeds: a graph per width), and every round drafts the
+    eager head's tokens (the same kernels on the same bytes)."""
     import test_mtp_engine as t
     from kvstream.engine.graphs import GraphedModel
     from kvstream.model.mtp import MTPHead
@@ -716,8 +716,9 @@ def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch):
         g, mtp, _, _ = t.run_mtp(m, (target, tmp_path / "h.gguf"), step=GraphedModel(m), head_graphs=graphs)
         drafted[graphs] = (g.tokens, [r[0].tolist() for r in rounds if r is not None])
     assert drafted[True] == drafted[False] and len(drafted[True][1]) > 4
-    # warm-up captured each feed width (1..5) once; no round captured
-    assert mtp.step is mtp._graphed and mtp._graphed.captures == 5
+    # warm-up captured each feed width (1..5) once, and a round's feed + 4 draft steps (one graph) per
+    # feed width; no round captured
+    assert mtp.step is mtp._graphed and mtp._graphed.captures == 5 and mtp.chain_captures == 5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

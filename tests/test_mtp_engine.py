@@ -220,3 +220,32 @@ def test_host_rows_keep_runs_of_positions_across_blocks(monkeypatch):
     assert torch.equal(runs[0][1], rows[:7]) and torch.equal(runs[1][1], rows[7:])
     store.add(rows[:1], 5)  # reused: the first block again
     assert torch.equal(store.take(torch.device("cpu"))[0][1], rows[:1]) and len(store.blocks) == 3
+
+
+def test_a_rounds_feed_and_draft_steps_are_one_pass_of_the_heads_cache(model, files, plain, monkeypatch):
+    """A round's feed and its n - 1 draft steps run as one pass (one ``begin`` / ``commit`` of the
+    head's cache: on CUDA one captured graph, ``MTPDraft._run_chain``), whose drafts are the
+    per-step path's token for token: the same kernels on the same rows (the per-step path, the
+    fallback for feeds too wide for one pass, forced here by a chain limit of 0 rows)."""
+    from kvstream.cache.paged import PagedCache
+    from kvstream.speculators import mtp as mtp_module
+
+    begins, drafts, full = [], {}, mtp_module.CHAIN_ROWS
+    real_begin, draft = PagedCache.begin, MTPDraft._draft
+    monkeypatch.setattr(PagedCache, "begin", lambda self, n: begins.append(n) or real_begin(self, n))
+
+    def spy(self, history, n):  # the passes the head's cache makes in each round's drafting
+        begins.clear()
+        out = draft(self, history, n)
+        seen.append((out[0].tolist(), list(begins), n))
+        return out
+
+    monkeypatch.setattr(MTPDraft, "_draft", spy)
+    for rows in (full, 0):
+        monkeypatch.setattr(mtp_module, "CHAIN_ROWS", rows)
+        seen = drafts[rows] = []
+        g, _, _, _ = run_mtp(model, files, device_rounds=True)
+        assert g.tokens == plain and len(seen) > 4
+        for _, passes, n in seen[1:]:  # (the first round feeds the prompt's last chunk: wider than a chain)
+            assert len(passes) == (1 if rows else n) and passes[0] <= (5 + n - 1 if rows else 5), (rows, passes)
+    assert [d for d, _, _ in drafts[full]] == [d for d, _, _ in drafts[0]]

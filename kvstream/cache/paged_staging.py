@@ -48,23 +48,36 @@ class StepStaging:
         # static step buffers, written in place by begin: a captured step (kvstream.engine.graphs)
         # reads them. One tensor (positions, every layer's slots, the length), so a decode step
         # fills it with one host->device copy instead of ~10 small kernels
-        w = MAX_N_Q
-        self._step = torch.zeros(w + n_layers * w + 1, dtype=torch.int64, device=self.device)
-        self._pos, self._len = self._step[:w], self._step[-1:]
-        self._slots = self._step[w:-1].view(n_layers, w)
+        # and the length after each row (``sub_pass``)
+        w, e = MAX_N_Q, MAX_N_Q * (1 + n_layers)
+        self._step = torch.zeros(e + 1 + w, dtype=torch.int64, device=self.device)
+        self._pos, self._len, self._lens = self._step[:w], self._step[e:e + 1], self._step[e + 1:]
+        self._slots = self._step[w:e].view(n_layers, w)
         self._step_upload = PinnedUpload(self._step)
 
     def _stage_step(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and slots of a decode step from the host's page tables, written into the
         static buffers by one copy from a pinned staging buffer (no allocation per step)."""
-        w, stage = MAX_N_Q, self._step_upload.stage()
+        w, e, stage = MAX_N_Q, MAX_N_Q * (1 + self.n_layers), self._step_upload.stage()
         pos = torch.arange(self.length, self.length + n)
         stage[:n] = pos
-        stage[w:-1].view(self.n_layers, w)[:, :n] = \
+        stage[w:e].view(self.n_layers, w)[:, :n] = \
             self.tables_host[:, pos // PAGE_TOKENS].long() * PAGE_TOKENS + pos % PAGE_TOKENS
-        stage[-1] = self.length + n
+        stage[e] = self.length + n
+        stage[e + 1:e + 1 + n] = pos + 1
         self._step_upload.send()
         return self._pos[:n], self._slots[:, :n]
+
+    def sub_pass(self, lo: int, m: int) -> torch.Tensor:
+        """Rows [lo, lo + m) of the staged decode pass (``begin(n)``) as a pass of their own: the
+        next ``attend`` calls store those rows, and their queries see the keys up to them. A
+        drafting chain's steps (feed, then one row per drafted token) thus share one ``begin``
+        and one captured graph (``kvstream.speculators.mtp``). Returns the rows' positions."""
+        if not (0 <= lo and 0 < m and lo + m <= self._n <= MAX_N_Q):
+            raise ValueError(f"rows [{lo}, {lo + m}) are not in the staged pass of {self._n} rows")
+        self.pos, self.slots = self._pos[lo:lo + m], self._slots[:, lo:lo + m]
+        self.seq_len = self._lens[lo + m - 1:lo + m] if self.ops.triton else self.length + lo + m
+        return self.pos
 
     def layout_key(self) -> tuple:
         """What every captured step depends on: the layout (its tensors' addresses) and whether

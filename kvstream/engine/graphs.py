@@ -129,19 +129,8 @@ class GraphedModel:
 
     def _capture(self, n, pos, cache, all_logits, hidden, rows, plan) -> Captured:
         body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)
-        side, slab = self.stream, cache.slab_pool
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), cache.compute():  # warm-up outside the capture (Triton compiles, allocator)
-            body()  # rewrites the same rows the replay writes: idempotent
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes stay readable: the copies are re-pointed
-        # with a slab, the captured step's buffers are the slab's (its out-of-memory errors too)
-        with slab.scope(route=False) if slab is not None else contextlib.nullcontext():
-            with torch.cuda.graph(graph, pool=self.pool if slab is None else slab.id, stream=side):
-                out = body()
-        graph.instantiate()
-        if slab is not None:
-            cache.keep_graph(graph)
+        # keep_graph: its nodes stay readable, so the copies can be re-pointed
+        graph, out = capture(body, cache, self.pool, self.stream, keep_graph=True)
         self.captures += 1
         copies = None
         if rows:
@@ -150,6 +139,27 @@ class GraphedModel:
             except (Unbound, AttributeError):  # AttributeError: a torch without raw_cuda_graph_exec
                 pass
         return Captured(graph, out, copies, plan)
+
+
+def capture(body, cache, pool, stream, keep_graph: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, its output buffers) of ``body``, device work between ``cache.begin`` and
+    ``cache.commit``: run once eagerly on ``stream`` (Triton compiles, the allocator warms), then
+    captured there; with a slab, the graph's buffers are the slab's (its out-of-memory errors
+    too), else ``pool``'s. ``body`` must be idempotent: its rows are written again by the replay."""
+    slab = cache.slab_pool
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), cache.compute():
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
+    with slab.scope(route=False) if slab is not None else contextlib.nullcontext():
+        with torch.cuda.graph(graph, pool=pool if slab is None else slab.id, stream=stream):
+            out = body()
+    if keep_graph:
+        graph.instantiate()
+    if slab is not None:
+        cache.keep_graph(graph)
+    return graph, out
 
 
 def warm_widths(step, cache, widths) -> None:

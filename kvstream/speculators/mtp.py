@@ -13,10 +13,14 @@ t + 1, so it follows the target: the engine hands it every committed row's hidde
 drafts ``n`` tokens as a chain: the first step reads the rows committed since the last round, the
 last of which starts the draft; each later step feeds its own output state and token. Drafted rows
 are rolled back after verification (``_accepted``); the committed rows come with the next round.
-On CUDA (``graphs``, the engine's ``cuda_graphs``) each feed and draft step of up to MAX_N_Q rows
-replays a graph captured per width at the warm-up (``HeadStep`` through ``GraphedModel``): run
-eagerly, a head step cost 2-2.7 ms of host work on the H200; captured, a round's feed and 4 steps
-cost 1.5 ms at 4K (``results/mtp_h200_graphed``).
+A round's feed and its draft steps are one pass of the head's cache (one ``begin`` / ``commit``,
+each step a row of its own: ``PagedCache.sub_pass``); on CUDA (``graphs``, the engine's
+``cuda_graphs``) that pass replays one graph per (feed width, draft length), captured at the
+warm-up for the longest draft, so a round costs the host one launch instead of one per step (run
+as separate captured steps, a round's feed and 4 steps cost 1.5 ms at 4K on the H200, twice
+their device time: ``results/mtp_h200_graphed``). Feeds too wide for one pass (the prompt's last
+chunk) and a re-enable's catch-up run as separate steps, each a graph per width (``HeadStep``
+through ``GraphedModel``).
 While ejected the head still reads the target's states, into host memory (``d`` values a token);
 the first round after a re-enable makes their rows, so its KV holds every committed row again,
 like the draft model's catch-up from the tokens.
@@ -34,7 +38,8 @@ from kvstream.cache.arena import Arena, pins_bytes
 from kvstream.cache.factory import paged_bytes
 from kvstream.cache.paged import PagedCache
 from kvstream.cache.paged_staging import PinnedUpload
-from kvstream.engine.graphs import GraphedModel, warm_widths
+from kvstream.cache.streams import side_stream
+from kvstream.engine.graphs import GraphedModel, capture, warm_widths
 from kvstream.speculators.pinned import pin_kv, unpin
 from kvstream.model.mtp import MTPHead
 from kvstream.speculators.base import Speculator
@@ -43,6 +48,7 @@ from kvstream.speculators.registry import register
 
 
 CATCH_UP_CHUNK = 256  # rows per eager pass when a re-enable catches the head's KV up
+CHAIN_ROWS = MAX_N_Q  # the widest pass of a round's feed and draft steps (the cache's static step buffers)
 
 
 class HeadStep:
@@ -103,6 +109,10 @@ class MTPDraft(Speculator):
         self._backlog = HostRows(c.hidden, head.out_norm.dtype, pin=self.device.type == "cuda")
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0
+        # a round's feed and draft steps as one graph per (feed width, draft length) (``_run_chain``)
+        self._chains, self._chains_at, self._chains_pool = {}, None, None
+        self._graph_stream = side_stream(self.device) if self.graphs else None
+        self.chain_captures = 0
 
     # ---- arena ------------------------------------------------------------------------
 
@@ -173,18 +183,11 @@ class MTPDraft(Speculator):
         """Append the rows (their KV) at positions start+1.. (after a gap, their own positions);
         returns the last row's (logits, block output)."""
         n, step = len(tokens), self._step
-        offset = start + 1 - self.cache.length
-        if offset != self._offset:  # only after a gap: in place, so captured steps read it
-            step.offset.fill_(offset)
-            self._offset = offset
         if n <= MAX_N_Q:  # a round's rows: from pinned buffers (a pageable copy would sync the host)
-            stage = self._ids.stage()
-            stage[:n] = torch.tensor(tokens)
-            self._ids.send()
-            ids = self._ids.dst[:n]
-            step.h_in[:n].copy_(h)
+            ids = self._stage(h, tokens, start)
             logits, g = self.step(ids, self.cache, False, True)
         else:  # prefill chunks: one eager pass over their own states
+            self._set_offset(start)
             step.rows = h.to(step.dtype)
             try:
                 logits, g = step(torch.tensor(tokens, dtype=torch.long, device=self.device), self.cache)
@@ -193,10 +196,37 @@ class MTPDraft(Speculator):
         self.committed = self.cache.length
         return logits[-1:], g[-1:]
 
+    def _set_offset(self, start: int) -> None:
+        """Rows fed from ``start`` sit at positions start + 1..: the offset from the cache's row
+        index, written in place (captured steps read it) only when it changes, after a gap."""
+        offset = start + 1 - self.cache.length
+        if offset != self._offset:
+            self._step.offset.fill_(offset)
+            self._offset = offset
+
+    def _stage(self, h: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
+        """The rows' states and tokens into the static input buffers; the token ids' view."""
+        n = len(tokens)
+        self._set_offset(start)
+        stage = self._ids.stage()
+        stage[:n] = torch.tensor(tokens)
+        self._ids.send()
+        self._step.h_in[:n].copy_(h)
+        return self._ids.dst[:n]
+
     def warm(self) -> None:
-        """CUDA: compile (and capture) a feed or draft step of each width a round uses."""
+        """CUDA: compile (and capture) a feed or draft step of each width a round uses, and a
+        round's chain of each feed width at the longest draft."""
         if self.enabled:
             warm_widths(self.step, self.cache, [(w, False, True) for w in range(1, self.max_width + 1)])
+            n = self.max_width - 1
+            if self.device.type == "cuda" and n > 0:
+                for w in range(1, self.max_width + 1):
+                    if w + n - 1 <= CHAIN_ROWS:  # rows past the length, rolled back as a round's drafts are
+                        length, committed = self.cache.length, self.committed
+                        self._run_chain(w, n)
+                        self.cache.truncate(length)
+                        self.committed = committed
 
     # ---- drafting -----------------------------------------------------------------------
 
@@ -221,6 +251,10 @@ class MTPDraft(Speculator):
             self._rows = None
             if len(toks) == h.shape[0] - 1:  # the prefill's last row: its token is the one sampled after it
                 toks = toks + [history[-1]]
+            if len(toks) + n - 1 <= CHAIN_ROWS:  # a round's feed and draft steps as one pass
+                self._stage(h, toks, start)
+                self._round = n
+                return self._run_chain(len(toks), n)
             logits, g = self._feed(h, toks, start)
         tokens = torch.empty(n, dtype=torch.long, device=self.device)
         top = torch.ones(n, dtype=torch.float32, device=self.device)
@@ -237,6 +271,55 @@ class MTPDraft(Speculator):
                 logits, g = logits[-1:], g[-1:]
         self._round = n
         return tokens, top
+
+    def _chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A round's device work between one ``begin(w + n - 1)`` and its ``commit``: the feed of
+        the w staged rows, then n - 1 draft steps, each a row of its own (``sub_pass``) fed the
+        step before's output state and token; (tokens [n] as target ids, top probabilities [n]
+        or ones when ``p_min`` is 0). The same kernels on the same rows as a feed and n - 1
+        separate steps, so the same tokens, with one host pass instead of n."""
+        head, step, cache = self.head, self._step, self.cache
+        pos = cache.sub_pass(0, w)
+        logits, g = head.block(step.h_in[:w], self._ids.dst[:w], pos + step.offset, cache)
+        tokens, top = [], []
+        for i in range(n):
+            last = logits[-1]
+            if self.p_min > 0:
+                p, t = torch.softmax(last.float(), -1).max(-1)
+                top.append(p)
+            else:
+                t = last.argmax(-1)
+            tokens.append(head.to_target(t).view(1))
+            if i + 1 < n:
+                pos = cache.sub_pass(w + i, 1)
+                logits, g = head.block(g[-1:], tokens[-1], pos + step.offset, cache)
+        top = torch.stack(top) if top else torch.ones(n, dtype=torch.float32, device=self.device)
+        return torch.cat(tokens), top
+
+    def _run_chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_chain`` over the staged rows: eager, or (``graphs``) a graph captured once per (w, n)
+        for the head's weights and the cache's layout. The fed rows become committed history;
+        the drafted ones are rolled back after verification (``_accepted``)."""
+        cache = self.cache
+        cache.begin(w + n - 1)
+        if self.graphs:
+            at = (tuple(p.data_ptr() for p in self.head.parameters()), cache.layout_key())
+            if at != self._chains_at:  # another layout or other weights: those graphs read stale addresses
+                self._chains, self._chains_at = {}, at
+                self._chains_pool = torch.cuda.graph_pool_handle()
+            entry = self._chains.get((w, n))
+            if entry is None:
+                entry = self._chains[w, n] = capture(lambda: self._chain(w, n), cache, self._chains_pool,
+                                                     self._graph_stream)
+                self.chain_captures += 1
+            entry[0].replay()
+            out = tuple(t.clone() for t in entry[1])  # the next replay rewrites them
+        else:
+            with cache.compute():
+                out = self._chain(w, n)
+        cache.commit()
+        self.committed = cache.length - (n - 1)
+        return out
 
     def propose_device(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``DraftModel.propose_device``'s contract: (tokens [n], valid [n]) without a host sync."""
