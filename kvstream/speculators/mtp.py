@@ -289,7 +289,7 @@ class MTPDraft(Speculator):
                 top.append(p)
             else:
                 t = last.argmax(-1)
-            tokens.append(head.to_target(t).view(1))
+            tokens.append(head.to_target(t.view(1)))  # a 0-d index would read its value on the host (a sync)
             if i + 1 < n:
                 pos = cache.sub_pass(w + i, 1)
                 logits, g = head.block(g[-1:], tokens[-1], pos + step.offset, cache)
