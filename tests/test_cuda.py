@@ -694,7 +694,8 @@ def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path):
     assert g.tokens == plain and mtp.stats.drafts > 0
 
 
-def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch):
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["full vocabulary", "draft vocabulary"])
+def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch, draft_vocab):
     """MTPDraft(graphs=True): a round's feed and draft steps replay one captured graph (one capture
     per feed width, at the warm-up; wider feeds: a graph per width), and every round drafts the
     eager head's tokens (the same kernels on the same bytes)."""
@@ -707,7 +708,9 @@ def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch):
 
     target = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
     m = load_model(target, torch.float32, "cuda")
-    write_head(tmp_path / "h.gguf", MTPHead(load_model(target), seed=2), sha256_file(target), {"command": "test"}, "f32")
+    d2t = torch.arange(0, m.cfg.vocab_size, 2) if draft_vocab else None  # (its index is captured: a 1-element tensor)
+    write_head(tmp_path / "h.gguf", MTPHead(load_model(target), d2t=d2t, seed=2), sha256_file(target),
+               {"command": "test"}, "f32")
     rounds, draft = [], MTPDraft._draft
     monkeypatch.setattr(MTPDraft, "_draft", lambda self, history, n: rounds.append(draft(self, history, n)) or rounds[-1])
     drafted = {}

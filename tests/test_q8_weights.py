@@ -83,10 +83,11 @@ def test_an_mtp_head_shares_a_q8_targets_embedding_and_head(models):
     head = MTPHead(q8, d2t=torch.tensor([0, 5, 2, 7]))
     assert head.shares(q8) and head.embed is q8.embed and head.draft_vocab == 4
     h, tok = torch.randn(3, q8.cfg.hidden), torch.tensor([1, 2, 3])
+    from kvstream.model.mtp import REFERENCE
     with torch.no_grad():
-        logits = head.logits(head._input(h, tok))
+        g = head._input(h, tok, REFERENCE)
+        logits = head.logits(g)
     dense_rows = reference.q8_dense(q8.lm_head.q, q8.lm_head.d)[[0, 5, 2, 7]]
-    g = head._input(h, tok)
     ref = torch.nn.functional.linear(reference.rms_norm(g, head.out_norm, q8.cfg.rms_eps), dense_rows)
     torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)  # the gathered rows: the same blocks
 

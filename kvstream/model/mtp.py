@@ -32,11 +32,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import rms_norm, rope, rope_angles, silu_mul
 
 from kvstream.cache.contiguous import ContiguousCache
+from kvstream.model.layer_ops import LayerOps
 from kvstream.model.qwen import Qwen
 from kvstream.model.weights import Q8, embedding, linear
+
+
+REFERENCE = LayerOps(torch.device("cpu"))  # the plain-torch references (any device), for training
 
 
 def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
@@ -72,6 +75,7 @@ class MTPHead(torch.nn.Module):
         self.w_gate_up, self.w_down = mat(2 * self.ffn, d), mat(d, self.ffn)
         # shared with the target: plain attributes, so .to() / state_dict() / parameters() leave them alone
         self.embed, self.out_norm, self.lm_head, self.inv_freq = target.embed, target.out_norm, target.lm_head, target.inv_freq
+        self._layer_ops: dict[torch.device, LayerOps] = {}
         self.d2t = None if d2t is None else d2t.to(device=self.embed.device, dtype=torch.long)
         self.lm_rows = self.lm_head if d2t is None else self.lm_head.index_select(0, self.d2t)
         assert self.shares(target)
@@ -102,25 +106,37 @@ class MTPHead(torch.nn.Module):
 
     # ---- the block, in pieces shared by `step` and `unroll` ---------------------------------------
 
-    def _input(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        eps, dt = self.cfg.rms_eps, self.eh_proj.dtype
-        e = embedding(tokens, self.embed, dt).to(dt)
-        return F.linear(torch.cat((rms_norm(e, self.enorm, eps), rms_norm(h.to(dt), self.hnorm, eps)), -1), self.eh_proj)
+    # ``ops``: the layer's elementwise operations. Inference (``block``) takes the device's (fused
+    # Triton kernels on CUDA: a head step is ~30 kernels instead of ~70); training (``unroll``) the
+    # plain-torch references, which have a backward pass
+    def _ops(self, device: torch.device) -> LayerOps:
+        if device not in self._layer_ops:
+            self._layer_ops[device] = LayerOps(device)
+        return self._layer_ops[device]
 
-    def _qkv(self, x: torch.Tensor, pos: torch.Tensor):
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, ops: LayerOps, delta=None):
+        return ops.add_rms_norm(x, w, self.cfg.rms_eps, delta)
+
+    def _input(self, h: torch.Tensor, tokens: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        dt = self.eh_proj.dtype
+        e = embedding(tokens, self.embed, dt).to(dt)
+        return F.linear(torch.cat((self._norm(e, self.enorm, ops)[1], self._norm(h.to(dt), self.hnorm, ops)[1]), -1),
+                        self.eh_proj)
+
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, ops: LayerOps):
         c, n = self.cfg, x.shape[0]
-        qkv = F.linear(rms_norm(x, self.attn_norm, c.rms_eps), self.wqkv, self.bqkv)
+        qkv = F.linear(self._norm(x, self.attn_norm, ops)[1], self.wqkv, self.bqkv)
         w = (c.n_heads + c.n_kv_heads) * c.head_dim
-        qk = rope(qkv[:, :w].view(n, -1, c.head_dim), *rope_angles(pos, self.inv_freq, qkv.dtype))
+        qk = ops.rope(qkv[:, :w].view(n, -1, c.head_dim), ops.angles(pos, self.inv_freq, qkv.dtype, 1.0), self.inv_freq, 1.0)
         return qk[:, :c.n_heads], qk[:, c.n_heads:], qkv[:, w:].view(n, c.n_kv_heads, c.head_dim)
 
-    def _block_out(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        g = x + F.linear(a.reshape(x.shape[0], -1), self.wo)
-        return g + F.linear(silu_mul(F.linear(rms_norm(g, self.ffn_norm, self.cfg.rms_eps), self.w_gate_up)), self.w_down)
+    def _block_out(self, x: torch.Tensor, a: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        g, h = self._norm(x, self.ffn_norm, ops, F.linear(a.reshape(x.shape[0], -1), self.wo))  # the residual add too
+        return g + F.linear(ops.silu_mul(F.linear(h, self.w_gate_up)), self.w_down)
 
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
+    def logits(self, g: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """[n, d] block outputs -> [n, draft_vocab] float32 logits."""
-        h = rms_norm(g, self.out_norm, self.cfg.rms_eps)
+        h = self._norm(g, self.out_norm, ops or self._ops(g.device))[1]
         return linear(h if isinstance(self.lm_rows, Q8) else h.to(self.lm_rows.dtype), self.lm_rows).float()
 
     # ---- inference ---------------------------------------------------------------------------------
@@ -141,10 +157,11 @@ class MTPHead(torch.nn.Module):
 
     def block(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
         """``step`` between ``kv.begin`` and ``kv.commit``: device work only (a CUDA graph can hold it)."""
-        x = self._input(h, tokens)
-        q, k, v = self._qkv(x, pos)
-        g = self._block_out(x, kv.attend(0, q, k, v))
-        return self.logits(g), g
+        ops = self._ops(h.device)
+        x = self._input(h, tokens, ops)
+        q, k, v = self._qkv(x, pos, ops)
+        g = self._block_out(x, kv.attend(0, q, k, v), ops)
+        return self.logits(g, ops), g
 
     @torch.no_grad()
     def draft(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, k: int, kv) -> torch.Tensor:
@@ -169,10 +186,10 @@ class MTPHead(torch.nn.Module):
         T, ks, vs, out = tokens.shape[0], [], [], []
         for s in range(1, k + 1):
             n = T - s
-            x = self._input(h[:n], tokens[s:])
-            q, kk, vv = self._qkv(x, torch.arange(s, T, device=tokens.device))
+            x = self._input(h[:n], tokens[s:], REFERENCE)
+            q, kk, vv = self._qkv(x, torch.arange(s, T, device=tokens.device), REFERENCE)
             ks.append(kk)
             vs.append(vv)
-            h = self._block_out(x, ttt_attention(q, [t[:n] for t in ks], [t[:n] for t in vs]))
-            out.append(self.logits(h))
+            h = self._block_out(x, ttt_attention(q, [t[:n] for t in ks], [t[:n] for t in vs]), REFERENCE)
+            out.append(self.logits(h, REFERENCE))
         return out
