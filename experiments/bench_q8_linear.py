@@ -76,13 +76,37 @@ def sweep_configs(n):
     return mma + (gemv if n == 1 else [])
 
 
+def split_report(sweep_csv: str, table_csv: str) -> str:
+    """The 32-row, 4-block launches' time by K split at n = 1 (``sweep_csv``), and per model a
+    decode step's matmuls (``table_csv``, n = 1) with each such matrix at the sweep's fastest split."""
+    sw, tab = pd.read_csv(sweep_csv), pd.read_csv(table_csv)
+    sw = sw[(sw.n == 1) & (sw.bm == 16) & (sw.bn == 32) & (sw.warps == 4) & (sw.stages == 3) & (sw.blocks == 4)]
+    piv = sw.pivot_table(index=["model", "matrix"], columns="split", values="q8_us")
+    out = [f"q8_0 us at n = 1 by K split (32-row tiles, 4 blocks an iteration), {sweep_csv}:", piv.round(2).to_string()]
+    tab = tab[tab.n == 1]
+    for model, g in tab.groupby("model"):
+        now = (g.q8_us * g.per_step).sum()
+        best = sum(r.per_step * (piv.loc[(model, r.matrix)].min() if r.bn == 32 and (model, r.matrix) in piv.index
+                                 else r.q8_us) for r in g.itertuples())
+        bf = (g.bf16_us * g.per_step).sum()
+        out.append(f"{model}: a step's matmuls {now:.0f} us with the table's launches, {best:.0f} us with the "
+                   f"sweep's best split for the 32-row ones; bf16 {bf:.0f} us ({bf / now:.3f}x, {bf / best:.3f}x)")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/kernels/q8_linear")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 1024])
     ap.add_argument("--sweep", action="store_true", help="also time the launch grid at n = 1 and 1024")
+    ap.add_argument("--report", nargs=2, metavar=("SWEEP", "TABLE"),
+                    help="no GPU: a sweep's K splits of the 32-row launches, and a step's matmuls with the "
+                         "table's launches against the sweep's best 32-row split (CSVs of one run)")
     args = ap.parse_args(argv)
+    if args.report:
+        print(split_report(*args.report))
+        return
     if not CUDA:
         raise SystemExit("bench_q8_linear times CUDA kernels: run it on the GPU machine")
     gen = torch.Generator(device=DEV).manual_seed(0)

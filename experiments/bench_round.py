@@ -58,6 +58,21 @@ def step_ms(graphed, cache, width: int, reps: int = 50, hidden: bool = False) ->
     return a.elapsed_time(b) / reps
 
 
+def report(paths: list[str]) -> str:
+    """A markdown table of bench_round CSVs: per file and arm, the round against its parts."""
+    lines = ["| file (code) | draft | arm | round | parts | excess | draft part | tok/s |", "|---" * 8 + "|"]
+    for p in paths:
+        d = pd.read_csv(p)
+        mtp = "--mtp" in d.command[0]
+        for r in d.itertuples():
+            parts = (f"{r.verify_ms:.3f} + {r.feed_ms:.3f} + {r.k - 1} x {r.draft_step_ms:.3f}" if mtp else
+                     f"{r.verify_ms:.3f} + {r.k} x {r.draft_step_ms:.3f}")
+            lines.append(f"| `{Path(p).name}` ({str(r.git_commit)[:7]}) | {'MTP head' if mtp else 'draft model'}, k = {r.k} | "
+                         f"{r.arm} | {r.round_ms:.3f} ms | {parts} = {r.parts_ms:.3f} ms | {r.excess_ms:+.3f} ms | "
+                         f"{r.draft_ms:.3f} ms | {r.tok_s:.0f} |")
+    return "\n".join(lines)
+
+
 def random_head(args, model) -> str:
     """A head of seeded random weights for ``args.target`` (its sha256), written beside ``--out``."""
     from kvstream.model.mtp import MTPHead
@@ -76,7 +91,7 @@ def random_head(args, model) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", required=True)
+    ap.add_argument("--target", help="the target's GGUF")
     ap.add_argument("--draft", help="the draft model's GGUF")
     ap.add_argument("--mtp", help="an MTP head's GGUF, or 'random' (seeded random weights for the target)")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="--mtp random: LM-head rows (0: all)")
@@ -84,8 +99,12 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
     ap.add_argument("--new", type=int, default=400, help="tokens decoded per arm")
     ap.add_argument("--out", default="results/round")
+    ap.add_argument("--report", nargs="+", metavar="CSV", help="print the table of written CSVs (no GPU)")
     args = ap.parse_args(argv)
-    if (args.draft is None) == (args.mtp is None):
+    if args.report:
+        print(report(args.report))
+        return
+    if args.target is None or (args.draft is None) == (args.mtp is None):
         ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
     if not torch.cuda.is_available():
         raise SystemExit("bench_round times CUDA graphs and device rounds: it needs a GPU")
