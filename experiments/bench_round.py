@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def report(paths: list[str]) -> str:
 
 
 def random_head(args, model) -> str:
-    """A head of seeded random weights for ``args.target`` (its sha256), written beside ``--out``."""
+    """A head of seeded random weights for ``args.target`` (its sha256), written to a temporary
+    folder (50-100 MB: never beside the results)."""
     from kvstream.model.mtp import MTPHead
     from kvstream.model.mtp_gguf import write_head
     from kvstream.model.registry import sha256_file
@@ -82,8 +84,7 @@ def random_head(args, model) -> str:
     torch.manual_seed(0)
     vocab = args.draft_vocab or model.cfg.vocab_size
     d2t = torch.randperm(model.cfg.vocab_size)[:vocab].sort().values if args.draft_vocab else None
-    path = Path(args.out) / "random_head.gguf"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="bench_round_")) / "random_head.gguf"
     write_head(path, MTPHead(model, d2t=d2t, seed=0), sha256_file(args.target),
                {"command": "experiments.bench_round --mtp random", "tokens_seen": 0}, "f16")
     return str(path)
