@@ -81,9 +81,8 @@ def random_head(args, model) -> str:
     from kvstream.model.mtp_gguf import write_head
     from kvstream.model.registry import sha256_file
 
-    torch.manual_seed(0)
-    vocab = args.draft_vocab or model.cfg.vocab_size
-    d2t = torch.randperm(model.cfg.vocab_size)[:vocab].sort().values if args.draft_vocab else None
+    V, gen = model.cfg.vocab_size, torch.Generator().manual_seed(0)
+    d2t = torch.randperm(V, generator=gen)[:args.draft_vocab].sort().values if args.draft_vocab else None
     path = Path(tempfile.mkdtemp(prefix="bench_round_")) / "random_head.gguf"
     write_head(path, MTPHead(model, d2t=d2t, seed=0), sha256_file(args.target),
                {"command": "experiments.bench_round --mtp random", "tokens_seen": 0}, "f16")

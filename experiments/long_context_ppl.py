@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -133,8 +134,11 @@ def main() -> None:
             ppl, err, n = chunk_ppl(model, tok, tokens, ctx, args.tail, min(args.batch, ctx))
             print(f"{arm:5s} ctx {ctx:>7}: PPL {ppl:.4f} ± {err:.4f} over {n} tokens", flush=True)
             row = dict(arm=arm, ctx=ctx, tail=args.tail, orig_ctx=orig, ppl=ppl, ppl_err=err, scored=n,
-                       model=str(args.model), text=f"stdlib to {last}", text_sha1=text_sha, **provenance())
-            pd.DataFrame([row]).to_csv(csv, mode="a", header=not csv.exists(), index=False)
+                       model=str(args.model), text=f"stdlib to {last}", text_sha1=text_sha, **provenance(),
+                       command=" ".join(["python -m experiments.long_context_ppl", *sys.argv[1:]]))
+            # the whole file again: a row may carry columns an older file lacks (the command)
+            done = pd.concat([done, pd.DataFrame([row])], ignore_index=True)
+            done.to_csv(csv, index=False)
         del model
     df = pd.read_csv(csv)
     if "tail" not in df:

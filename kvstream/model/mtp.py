@@ -101,8 +101,10 @@ class MTPHead(torch.nn.Module):
         return self.lm_rows.shape[0]
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> target ids (the identity without a draft vocabulary)."""
-        return ids if self.d2t is None else self.d2t[ids]
+        """Draft-vocabulary ids -> target ids (the identity without a draft vocabulary). A gather,
+        never a host read: indexing with a 0-d tensor would read its value (a sync, which a CUDA
+        graph capture refuses)."""
+        return ids if self.d2t is None else self.d2t.index_select(0, ids.reshape(-1)).view(ids.shape)
 
     # ---- the block, in pieces shared by `step` and `unroll` ---------------------------------------
 

@@ -179,22 +179,21 @@ class MTPDraft(Speculator):
             self._feed(ph, pt, ps)
         self._rows = (h, list(tokens), start)
 
-    def _feed(self, h: torch.Tensor, tokens: list[int], start: int):
-        """Append the rows (their KV) at positions start+1.. (after a gap, their own positions);
-        returns the last row's (logits, block output)."""
+    def _feed(self, h: torch.Tensor, tokens: list[int], start: int) -> None:
+        """Append the rows (their KV) at positions start+1.. (after a gap, their own positions)."""
         n, step = len(tokens), self._step
+        if n == 0:
+            return
         if n <= MAX_N_Q:  # a round's rows: from pinned buffers (a pageable copy would sync the host)
-            ids = self._stage(h, tokens, start)
-            logits, g = self.step(ids, self.cache, False, True)
+            self.step(self._stage(h, tokens, start), self.cache, False, True)
         else:  # prefill chunks: one eager pass over their own states
             self._set_offset(start)
             step.rows = h.to(step.dtype)
             try:
-                logits, g = step(torch.tensor(tokens, dtype=torch.long, device=self.device), self.cache)
+                step(torch.tensor(tokens, dtype=torch.long, device=self.device), self.cache)
             finally:
                 step.rows = step.h_in
         self.committed = self.cache.length
-        return logits[-1:], g[-1:]
 
     def _set_offset(self, start: int) -> None:
         """Rows fed from ``start`` sit at positions start + 1..: the offset from the cache's row
@@ -230,47 +229,37 @@ class MTPDraft(Speculator):
 
     # ---- drafting -----------------------------------------------------------------------
 
-    def _catch_up(self, history: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, history: list[int]) -> tuple[torch.Tensor, list[int], int]:
         """Make the rows of the states seen while ejected (their tokens: ``history``'s, which holds
-        position p at index p), in runs of consecutive positions; the last row's (logits, h_out)."""
-        for start, h in self._backlog.take(self.device):
-            for lo in range(0, h.shape[0], CATCH_UP_CHUNK):
-                piece = h[lo:lo + CATCH_UP_CHUNK]
-                at = start + lo
-                out = self._feed(piece, history[at + 1:at + 1 + piece.shape[0]], at)
-        return out
+        position p at index p), in runs of consecutive positions, all but the last; that one's
+        (state, token, position) starts the round's chain."""
+        *runs, (start, h) = self._backlog.take(self.device)
+        for at0, rows in runs + [(start, h[:-1])]:
+            for lo in range(0, rows.shape[0], CATCH_UP_CHUNK):
+                piece, at = rows[lo:lo + CATCH_UP_CHUNK], at0 + lo
+                self._feed(piece, history[at + 1:at + 1 + piece.shape[0]], at)
+        last = start + h.shape[0] - 1
+        return h[-1:], history[last + 1:last + 2], last
 
     def _draft(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """n greedy draft tokens and their top probabilities, on the device (no host sync)."""
+        """n greedy draft tokens and their top probabilities, on the device (no host sync): the
+        rows committed since the last round fed, then the draft steps, as one pass (``_run_chain``);
+        rows that do not fit in it (a prefill chunk's, a re-enable's catch-up) are fed first."""
         if not self.enabled or (self._rows is None and not self._backlog):
             return None
         if self._backlog:
-            logits, g = self._catch_up(history)
+            h, toks, start = self._catch_up(history)
         else:
             h, toks, start = self._rows
             self._rows = None
             if len(toks) == h.shape[0] - 1:  # the prefill's last row: its token is the one sampled after it
                 toks = toks + [history[-1]]
-            if len(toks) + n - 1 <= CHAIN_ROWS:  # a round's feed and draft steps as one pass
-                self._stage(h, toks, start)
-                self._round = n
-                return self._run_chain(len(toks), n)
-            logits, g = self._feed(h, toks, start)
-        tokens = torch.empty(n, dtype=torch.long, device=self.device)
-        top = torch.ones(n, dtype=torch.float32, device=self.device)
-        for i in range(n):
-            if self.p_min > 0:
-                p, t = torch.softmax(logits[-1].float(), -1).max(-1)
-                top[i] = p
-            else:
-                t = logits[-1].argmax(-1)
-            tokens[i] = self.head.to_target(t)
-            if i + 1 < n:  # the next step reads this one's output state and token, one position on
-                self._step.h_in[:1].copy_(g)
-                logits, g = self.step(tokens[i:i + 1], self.cache, False, True)
-                logits, g = logits[-1:], g[-1:]
+        if len(toks) + n - 1 > CHAIN_ROWS:  # all but the last row on their own
+            self._feed(h[:-1], toks[:-1], start)
+            h, toks, start = h[-1:], toks[-1:], start + len(toks) - 1
+        self._stage(h, toks, start)
         self._round = n
-        return tokens, top
+        return self._run_chain(len(toks), n)
 
     def _chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A round's device work between one ``begin(w + n - 1)`` and its ``commit``: the feed of
@@ -289,7 +278,7 @@ class MTPDraft(Speculator):
                 top.append(p)
             else:
                 t = last.argmax(-1)
-            tokens.append(head.to_target(t.view(1)))  # a 0-d index would read its value on the host (a sync)
+            tokens.append(head.to_target(t.view(1)))
             if i + 1 < n:
                 pos = cache.sub_pass(w + i, 1)
                 logits, g = head.block(g[-1:], tokens[-1], pos + step.offset, cache)
@@ -303,7 +292,7 @@ class MTPDraft(Speculator):
         cache = self.cache
         cache.begin(w + n - 1)
         if self.graphs:
-            at = (tuple(p.data_ptr() for p in self.head.parameters()), cache.layout_key())
+            at = (self._graphed_at, cache.layout_key())  # (the weights' addresses, as ``pin`` took them)
             if at != self._chains_at:  # another layout or other weights: those graphs read stale addresses
                 self._chains, self._chains_at = {}, at
                 self._chains_pool = torch.cuda.graph_pool_handle()
