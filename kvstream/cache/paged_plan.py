@@ -69,8 +69,11 @@ class ResidencyPlan:
                     start, streamed = p, []
                 streamed.append(p)
         self.rounds.append((start, n_pages, streamed))
-        streamed = len(self.rounds[0][2])
-        self.group = group_size(self.n_layers, half // streamed) if len(self.rounds) == 1 and streamed else 1
+        # layers per ring copy, from the most pages one round can stream for this layout (not from
+        # the pages streamed now): it holds while pages open, so a captured step keeps its shape
+        # (a grouped copy's pitch is then at least every streamed count this layout can reach)
+        most = min(half, self.max_pages - self.capacity)
+        self.group = group_size(self.n_layers, half // most) if len(self.rounds) == 1 and self.rounds[0][2] else 1
         # a captured step reads the plan through its copies (re-pointed in place), the round keys
         # (written in place) and the page tables (read in place); the last round runs to the
         # sequence's end, its splits sized to the table's. A new page that leaves the streamed

@@ -3,13 +3,15 @@ half, and when the copy stream runs them.
 
 A round's streamed pages are copied host -> ring (one 2-D copy per run of pages, K and V),
 into the ring half its previous reader has released; the next round's copy is issued as soon
-as the current one has been read, into the other half. When a layer's streamed pages fill at
-most half a ring half, a *group* of layers shares one copy (a row per layer): every copy has a
-fixed cost of a few microseconds, which small sets otherwise spend more time on than on their
-bytes (``experiments/bench_copies.py``). A grouped copy moves as many pages per layer as the
-half holds for that group (``half // group``, at least the streamed ones): its shape then
-depends on the group alone, not on the streamed count, so a captured step keeps it while pages
-open (a graph's 2-D copy cannot be re-pointed; its 1-D ones can: ``kvstream.engine.graph_copies``).
+as the current one has been read, into the other half. When the most pages a layer can stream
+in the cache's layout (``max_pages - capacity``) fill at most half a ring half, a *group* of
+layers shares one copy (a row per layer): every copy has a fixed cost of a few microseconds,
+which small sets otherwise spend more time on than on their bytes (``experiments/bench_copies.py``).
+The group is fixed by the layout, not by the pages streamed now, and a grouped copy moves as many
+pages per layer as the half holds for that group (``half // group``, at least the streamed
+ones): its shape then holds while pages open, so a captured step keeps it (a graph's 2-D copy
+cannot be re-pointed; its 1-D ones can: ``kvstream.engine.graph_copies``). A layout that can
+stream more than half a ring half per layer copies each layer on its own, with 1-D copies.
 A decode step that streams its first round copies the next step's first round (of its first
 group) at its end, under its last group and the LM head, so copy-bound steps keep the copy
 engine busy from one step into the next; ``begin`` copies it again when the plan changed in
