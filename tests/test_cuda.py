@@ -320,6 +320,44 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     assert runs[0] == runs[1]
 
 
+def test_graphed_device_rounds_with_a_draft_model_equal_eager_ones(tmp_path):
+    """Device rounds whose catch-up and draft steps replay one graph per (catch-up width, draft
+    length) (``DraftModel._run_chain``): the tokens of eager device rounds and of plain decoding;
+    every chain was captured at the warm-up (catch-up widths 1..9 at 8 draft steps), none during
+    the decode."""
+    import test_draft as t
+    from kvstream.cache.arena import MIB, Arena
+    from kvstream.cache.factory import make_cache
+    from kvstream.config import ArenaConfig, CacheConfig
+    from kvstream.engine.generate import generate
+    from kvstream.engine.graphs import GraphedModel
+    from kvstream.engine.draft_control import DraftControl
+    from kvstream.engine.speculative import speculative_generate
+    from kvstream.speculators.chain import Chain
+    from kvstream.speculators.draft import DraftModel, load_host
+    from kvstream.model.tokenizer import Tokenizer
+    from policies.eject import Never
+
+    target_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
+    m = load_model(target_file, torch.float32, "cuda")
+    host = load_host(target_file, Tokenizer.from_gguf(target_file).token_texts, torch.float32, "cuda")
+    greedy = Sampler(SamplingParams(), "cuda")
+    nbytes = DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK).pin(Arena(256 * MIB, "cuda"))
+    cache = lambda: make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(), m, 1024, t.CHUNK, 9,
+                               pinned_bytes=nbytes + MIB)
+    plain = generate(m, cache(), t.PROMPT, t.NEW, greedy, prefill_chunk=t.CHUNK).tokens
+    runs = []
+    for graphs in (False, True):
+        c, draft = cache(), DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK, graphs=graphs, max_width=9)
+        g = speculative_generate(GraphedModel(m) if graphs else m, c, t.PROMPT, t.NEW, greedy, Chain([draft]),
+                                 n_max=8, prefill_chunk=t.CHUNK, control=DraftControl(draft, c, Never()),
+                                 device_rounds=True)
+        runs.append(g.tokens)
+        assert draft.stats.calls > 2 and draft.fed == (t.PROMPT + g.tokens)[:len(draft.fed)]
+    assert runs[0] == runs[1] == plain
+    assert draft.chains.captures == 9 and set(draft.chains.graphs) == {(w, 8) for w in range(1, 10)}
+
+
 def test_a_reenabled_draft_replays_its_graphs(tmp_path):
     """An eject and a re-enable pin the draft at the same addresses: its captured steps replay (no
     new capture) and draft what they drafted before, though the target's pages took those bytes."""
@@ -721,7 +759,7 @@ def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch, dra
     assert drafted[True] == drafted[False] and len(drafted[True][1]) > 4
     # warm-up captured each feed width (1..5) once, and a round's feed + 4 draft steps (one graph) per
     # feed width; no round captured
-    assert mtp.step is mtp._graphed and mtp._graphed.captures == 5 and mtp.chain_captures == 5
+    assert mtp.step is mtp._graphed and mtp._graphed.captures == 5 and mtp.chains.captures == 5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -11,6 +11,7 @@ from statistics import median
 import pytest
 import torch
 
+from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS
 from kvstream.cache.arena import MIB, Arena, ArenaPlan, both_slabs_bytes
 from kvstream.cache.factory import make_cache, reserve_slab
@@ -71,9 +72,9 @@ def arena_mib(model, host, pages_per_layer, ring=4, **kw):
     return (plan.bytes(SPEC.n_layers * pages_per_layer + 1) - 1) / MIB
 
 
-def target_cache(model, mib, ring=4, step=1):
+def target_cache(model, mib, ring=4, step=1, verify_width=9):
     return make_cache(CacheConfig(mode="stream", ring_pages=str(ring), residency_step=step), ArenaConfig(mib=str(mib)),
-                      model, 1024, CHUNK, verify_width=9)
+                      model, 1024, CHUNK, verify_width=verify_width)
 
 
 class CountingModel:
@@ -689,3 +690,63 @@ def test_a_device_round_reads_the_device_once(model, host, plain, monkeypatch):
                              control=DraftControl(draft, cache, Never()), device_rounds=True, run_ahead=False)
     assert g.tokens == plain
     assert len(reads) == sum(r.verify_width == 5 for r in g.records) and set(reads) == {(2 * 4 + 3,)}
+
+
+@pytest.mark.parametrize("n_max", [4, 15])
+def test_a_device_round_is_one_pass_of_the_draft_cache(model, host, n_max, monkeypatch):
+    """A device round's catch-up and its n - 1 draft steps are one ``begin`` / ``commit`` of the
+    draft's cache (``DraftModel._run_chain``; on CUDA one captured graph): with a perfect draft
+    (synthetic acceptance 1) a round catches up 2 tokens (its last draft, the target's next), 15
+    draft tokens included. The tokens and the per-round counts are the host rounds'."""
+    from kvstream.cache.paged import PagedCache
+
+    out = []
+    real_begin = PagedCache.begin
+    for device_rounds in (False, True):
+        cache = target_cache(model, arena_mib(model, host, 3), verify_width=1 + n_max)  # (a wider slab)
+        draft = new_draft(host, p_min=0.0, sampling=GREEDY, run_ahead=False)
+        passes, rounds = [], []
+        monkeypatch.setattr(PagedCache, "begin", lambda self, n: (self is draft.cache and passes.append(n))
+                            or real_begin(self, n))
+        propose = draft.propose_device
+
+        def spy(history, n):
+            passes.clear()
+            got = propose(history, n)
+            rounds.append((list(passes), n))
+            return got
+
+        draft.propose_device = spy
+        g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=n_max,
+                                 prefill_chunk=CHUNK, control=DraftControl(draft, cache, Never()),
+                                 synthetic_acceptance=1.0, device_rounds=device_rounds)
+        out.append((g.tokens, [(r.drafted, r.accepted) for r in g.records]))
+    assert out[0] == out[1] and len(rounds) > 2
+    assert all(p == [w + n - 1] and 1 <= w <= 2 for p, n in rounds[1:] for w in [p[0] - n + 1]), rounds
+
+
+def test_a_device_round_too_wide_for_one_pass_feeds_its_catch_up_first(host):
+    """A catch-up of 7 tokens (``begin`` reads all of its prompt but the last) before 15 draft
+    steps (21 rows, more than a pass's 16): the first 6 are fed in a pass of their own and the
+    chain starts from the last; the draft is the host
+    path's greedy draft token for token, and the draft KV holds the history and 14 drafts."""
+    from kvstream.cache.paged import PagedCache
+
+    history = PROMPT[:200]
+    drafts = []
+    for device in (False, True):
+        d = new_draft(host, p_min=0.0, sampling=GREEDY, run_ahead=False)
+        d.pin(Arena(64 * MIB, "cpu"))
+        passes, begin = [], d.cache.begin
+        d.cache.begin = lambda n: passes.append(n) or begin(n)
+        with torch.inference_mode():
+            d.begin(history[:-6])
+            passes.clear()
+            if device:
+                tokens, valid = d.propose_device(history, 15)
+                assert bool(valid.all()) and passes == [6, 15], passes
+                assert d.cache.length == len(history) + 14
+                drafts.append(tokens.tolist())
+            else:
+                drafts.append(d.propose(history, 15))
+    assert len(drafts[0]) == 15 and drafts[0] == drafts[1]

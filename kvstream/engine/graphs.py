@@ -141,6 +141,31 @@ class GraphedModel:
         return Captured(graph, out, copies, plan)
 
 
+class ChainGraphs:
+    """A drafting round's device work as one graph per key (feed width, draft length): the pass
+    between one ``cache.begin`` and its ``commit`` (a feed, then one row per drafted token,
+    ``PagedCache.sub_pass``), captured the first time a key runs and replayed after, so a round
+    costs the host one launch instead of one per step. Kept while ``at`` (the weights'
+    addresses and the cache's layout) holds; another ``at`` drops them (they read stale addresses)."""
+
+    def __init__(self, device: torch.device):
+        self.graphs: dict[tuple, tuple] = {}
+        self.at, self.pool, self.stream = None, None, side_stream(device)
+        self.captures = 0
+
+    def run(self, key: tuple, body, cache, at: tuple) -> tuple:
+        """``body()``'s outputs (a tuple of tensors), from its graph's replay; their clones, since
+        the next replay rewrites them."""
+        if at != self.at:
+            self.graphs, self.at, self.pool = {}, at, torch.cuda.graph_pool_handle()
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = capture(body, cache, self.pool, self.stream)
+            self.captures += 1
+        entry[0].replay()
+        return tuple(t.clone() for t in entry[1])
+
+
 def capture(body, cache, pool, stream, keep_graph: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, its output buffers) of ``body``, device work between ``cache.begin`` and
     ``cache.commit``: run once eagerly on ``stream`` (Triton compiles, the allocator warms), then

@@ -96,7 +96,8 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
         options["draft"] = dict(host=hosts.get_host(d.source, tok, model.dtype, model.device, cfg.model.rope),
                                 device=model.device,
                                 max_tokens=max_tokens, type_k=d.type_k, type_v=d.type_v, window=d.window,
-                                n_min=d.n_min, p_min=d.p_min, chunk=d.chunk, sampling=cfg.sampling, graphs=graphs)
+                                n_min=d.n_min, p_min=d.p_min, chunk=d.chunk, sampling=cfg.sampling, graphs=graphs,
+                                max_width=1 + spec.n_max)
     if "mtp" in chain_names:
         m = spec.mtp
         options["mtp"] = dict(head=mtp_head(m.source, model, cfg.model.source), device=model.device,

@@ -31,7 +31,7 @@ from kernels.decode_attention import MAX_N_Q
 
 from kvstream.cache.arena import Arena, both_slabs_bytes, pins_bytes
 from kvstream.cache.factory import paged_bytes, slabs_for
-from kvstream.engine.graphs import GraphedModel, warm_widths
+from kvstream.engine.graphs import ChainGraphs, GraphedModel, warm_widths
 from kvstream.model.loader import open_gguf
 from kvstream.model.qwen import Qwen, load_model
 from kvstream.cache.paged import PagedCache
@@ -85,7 +85,8 @@ class DraftModel(Speculator):
 
     def __init__(self, host: Qwen, device: str | torch.device, *, max_tokens: int, type_k: str = "f16",
                  type_v: str = "f16", window: int = 0, n_min: int = 0, p_min: float = 0.0, chunk: int = 512,
-                 sampling: SamplingParams | None = None, graphs: bool = False, run_ahead: bool | None = None):
+                 sampling: SamplingParams | None = None, graphs: bool = False, run_ahead: bool | None = None,
+                 max_width: int = MAX_N_Q):
         super().__init__()
         if window and window < 2 * chunk:
             raise ValueError(f"draft window of {window} tokens must hold at least two catch-up chunks ({2 * chunk})")
@@ -113,6 +114,9 @@ class DraftModel(Speculator):
         # a device round's catch-up tokens, copied from pinned buffers (a pageable copy syncs)
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0  # draft tokens of the device round awaiting read_device_round
+        self.max_width = max_width  # the widest catch-up of a device round (1 + spec.n_max): what warm() captures
+        # a device round's catch-up and draft steps as one graph per (catch-up width, draft length)
+        self.chains = ChainGraphs(self.device) if graphs and self.device.type == "cuda" else None
 
     # ---- arena ------------------------------------------------------------------------
 
@@ -218,9 +222,19 @@ class DraftModel(Speculator):
                 self._feed(list(prompt[len(self.fed):-1]))
 
     def warm(self) -> None:
-        """CUDA: compile (and capture) a draft step or catch-up of each width up to MAX_N_Q."""
-        if self.model is not None:
-            warm_widths(self.model, self.cache, [(w, False) for w in range(1, MAX_N_Q + 1)])
+        """CUDA: compile (and capture) a draft step or catch-up of each width up to MAX_N_Q, and
+        (graphs) a device round's chain of each catch-up width at the longest draft."""
+        if self.model is None:
+            return
+        warm_widths(self.model, self.cache, [(w, False) for w in range(1, MAX_N_Q + 1)])
+        n = self.max_width - 1
+        if self.chains is not None and n > 0 and self.cache.length + MAX_N_Q <= self.kv_tokens:
+            length = self.cache.length
+            for w in range(1, min(self.max_width, MAX_N_Q - n + 1) + 1):
+                self._ids.stage()[:w] = 0
+                self._ids.send()
+                self._run_chain(w, n)  # rows past the length, rolled back as a round's drafts are
+                self.cache.truncate(length)
 
     def _propose(self, history: list[int], n_max: int, state) -> list[int]:
         if self.model is None:
@@ -278,23 +292,55 @@ class DraftModel(Speculator):
             return None
         self.stats.calls += 1
         self._at, self._round = len(history), n
-        stage = self._ids.stage()
-        stage[:len(new)] = torch.tensor(new)
-        self._ids.send()
-        logits = self.model(self._ids.dst[:len(new)], self.cache)[-1]
+        if len(new) + n - 1 > MAX_N_Q:  # all but the last new token on their own: the chain starts from it
+            self._stage(new[:-1])
+            self.model(self._ids.dst[:len(new) - 1], self.cache)
+            self.fed.extend(new[:-1])
+            new = new[-1:]
+        self._stage(new)
+        tokens, top = self._run_chain(len(new), n)
         self.fed.extend(new)
-        tokens = torch.empty(n, dtype=torch.long, device=self.device)
-        top = torch.empty(n, dtype=torch.float32, device=self.device)
-        for i in range(n):
-            if self.p_min > 0:
-                top[i], tokens[i] = torch.softmax(logits.float(), -1).max(-1)
-            else:  # no stop: the argmax alone (a softmax over the vocabulary costs ~30 us a step)
-                tokens[i] = logits.argmax(-1)
-                top[i] = 1.0
-            if i + 1 < n:
-                logits = self.model(tokens[i:i + 1], self.cache)[-1]
         valid = torch.cumprod((top >= self.p_min).int(), 0)
         return tokens, (valid * (valid.sum() >= max(1, self.n_min))).bool()
+
+    def _stage(self, tokens: list[int]) -> None:
+        """Token ids into the static input buffer, from a pinned buffer (a pageable copy would sync)."""
+        stage = self._ids.stage()
+        stage[:len(tokens)] = torch.tensor(tokens)
+        self._ids.send()
+
+    def _chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A device round between one ``begin(w + n - 1)`` and its ``commit``: the catch-up of the
+        w staged tokens, then n - 1 draft steps, each a row of its own (``sub_pass``) fed the
+        step before's argmax; (tokens [n], top probabilities [n], ones when ``p_min`` is 0). The
+        same kernels on the same rows as a catch-up and n - 1 separate steps."""
+        model, cache = self.model, self.cache
+        logits = model.body(self._ids.dst[:w], cache.sub_pass(0, w), cache)[-1]
+        tokens, top = [], []
+        for i in range(n):
+            if self.p_min > 0:
+                p, t = torch.softmax(logits.float(), -1).max(-1)
+                top.append(p)
+            else:  # no stop: the argmax alone (a softmax over the vocabulary costs ~30 us a step)
+                t = logits.argmax(-1)
+            tokens.append(t.view(1))
+            if i + 1 < n:
+                logits = model.body(tokens[-1], cache.sub_pass(w + i, 1), cache)[-1]
+        top = torch.stack(top) if top else torch.ones(n, dtype=torch.float32, device=self.device)
+        return torch.cat(tokens), top
+
+    def _run_chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_chain``: eager, or (graphs) a graph per (w, n) for the weights' addresses and the
+        draft cache's layout (``ChainGraphs``)."""
+        cache = self.cache
+        cache.begin(w + n - 1)
+        if self.chains is not None:
+            out = self.chains.run((w, n), lambda: self._chain(w, n), cache, (self._graphed_at, cache.layout_key()))
+        else:
+            with cache.compute():
+                out = self._chain(w, n)
+        cache.commit()
+        return out
 
     def read_device_round(self, tokens: list[int], n_valid: int) -> None:
         """The device round's tokens, read back: the KV holds the first ``n - 1`` after the history."""

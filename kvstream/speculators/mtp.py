@@ -38,8 +38,7 @@ from kvstream.cache.arena import Arena, pins_bytes
 from kvstream.cache.factory import paged_bytes
 from kvstream.cache.paged import PagedCache
 from kvstream.cache.paged_staging import PinnedUpload
-from kvstream.cache.streams import side_stream
-from kvstream.engine.graphs import GraphedModel, capture, warm_widths
+from kvstream.engine.graphs import ChainGraphs, GraphedModel, warm_widths
 from kvstream.speculators.pinned import pin_kv, unpin
 from kvstream.model.mtp import MTPHead
 from kvstream.speculators.base import Speculator
@@ -110,9 +109,7 @@ class MTPDraft(Speculator):
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0
         # a round's feed and draft steps as one graph per (feed width, draft length) (``_run_chain``)
-        self._chains, self._chains_at, self._chains_pool = {}, None, None
-        self._graph_stream = side_stream(self.device) if self.graphs else None
-        self.chain_captures = 0
+        self.chains = ChainGraphs(self.device) if self.graphs else None
 
     # ---- arena ------------------------------------------------------------------------
 
@@ -291,18 +288,8 @@ class MTPDraft(Speculator):
         the drafted ones are rolled back after verification (``_accepted``)."""
         cache = self.cache
         cache.begin(w + n - 1)
-        if self.graphs:
-            at = (self._graphed_at, cache.layout_key())  # (the weights' addresses, as ``pin`` took them)
-            if at != self._chains_at:  # another layout or other weights: those graphs read stale addresses
-                self._chains, self._chains_at = {}, at
-                self._chains_pool = torch.cuda.graph_pool_handle()
-            entry = self._chains.get((w, n))
-            if entry is None:
-                entry = self._chains[w, n] = capture(lambda: self._chain(w, n), cache, self._chains_pool,
-                                                     self._graph_stream)
-                self.chain_captures += 1
-            entry[0].replay()
-            out = tuple(t.clone() for t in entry[1])  # the next replay rewrites them
+        if self.graphs:  # (the weights' addresses, as ``pin`` took them, and the cache's layout)
+            out = self.chains.run((w, n), lambda: self._chain(w, n), cache, (self._graphed_at, cache.layout_key()))
         else:
             with cache.compute():
                 out = self._chain(w, n)
