@@ -9,7 +9,10 @@ Per round the draft first catches up: the tokens of the history it has not seen 
 chunks (the prompt, the target's correction token, or everything generated while it was
 ejected). It then drafts one token per forward pass until ``n_max`` tokens, or until its top
 probability falls below ``p_min`` (llama.cpp's rule). After the round its KV holds exactly the
-accepted history (``_accepted`` rolls it back past the last accepted token).
+accepted history (``_accepted`` rolls it back past the last accepted token). A greedy device
+round (``propose_device``) runs its catch-up and draft steps as one pass of the draft's cache, on
+CUDA one captured graph per (catch-up width, draft length) (``ChainGraphs``): the host launches
+a round once instead of once per step, and reads nothing until the verify's readback.
 
 Deviations from llama.cpp, and why:
 - ``p_min`` is tested on the draft's full softmax at temperature 1; llama.cpp tests the top
