@@ -217,6 +217,13 @@ def test_a_spec_study_gets_its_table_and_figure(tiny, tmp_path):
     assert d["drafted"] == won["drafted"].sum() > 0 and d["accepted"] == won["accepted"].sum()
     assert d["acceptance"] == pytest.approx(won["accepted"].sum() / won["drafted"].sum(), rel=1e-12)  # float division
     assert table[table["spec"] == "none"]["speculator"].tolist() == ["-"]
+    # per cell against plain decoding at its context; the draft length is a row key (spec.n_max)
+    plain = runs[runs["spec_type"] == "none"]["decode_tok_s"].mean()
+    for r in table.itertuples():
+        assert r.vs_none == pytest.approx(r.decode_tok_s / plain, rel=1e-12)
+        assert r.n_max == (0 if r.spec == "none" else 8)  # the spec groups' draft length (conf/spec/draft.yaml)
+    won_ms = 1e3 * won["step_s"].median()  # the draft's rounds in the chain: their median wall time
+    assert d["round_ms"] == pytest.approx(won_ms, rel=1e-12) and d["tokens_per_round"] == won["new_tokens"].mean()
     assert (tmp_path / "t" / "spec.png").stat().st_size > 0
 
 
