@@ -750,3 +750,34 @@ def test_a_device_round_too_wide_for_one_pass_feeds_its_catch_up_first(host):
             else:
                 drafts.append(d.propose(history, 15))
     assert len(drafts[0]) == 15 and drafts[0] == drafts[1]
+
+
+def test_seen_compares_only_what_is_new_and_agrees_with_a_whole_compare(host):
+    """``DraftModel._seen`` (how much of ``fed`` is the history's) on the engine's one growing list
+    compares from its last check on; through real feeds of the history's tokens and of drafts that
+    differ from it, truncations below the last check and appends to the history, it always equals a
+    whole-list compare, and a new list is compared whole."""
+    from kvstream.speculators.draft import _common_prefix
+
+    rng = torch.Generator().manual_seed(7)
+    rand = lambda hi: int(torch.randint(0, hi, (), generator=rng))
+    d = new_draft(host, sampling=GREEDY)
+    d.pin(Arena(64 * MIB, "cpu"))
+    history = list(PROMPT[:64])
+    with torch.inference_mode():
+        d.begin(history)
+        for _ in range(300):
+            op = rand(4)
+            if op == 0:  # the engine kept tokens
+                history.extend(rand(357) for _ in range(1 + rand(3)))
+            elif op == 1 and len(d.fed) < len(history):  # the draft catches up
+                d._feed(history[len(d.fed):len(d.fed) + 1 + rand(3)])
+            elif op == 2:  # drafted tokens, not the history's
+                d._feed([rand(357) for _ in range(1 + rand(3))])
+            else:  # a rollback of up to 4 tokens, below the last check too
+                d._truncate(max(0, len(d.fed) - 1 - rand(4)))
+            if rand(3) == 0:  # several changes between two checks too
+                assert d._seen(history) == _common_prefix(d.fed, history), (op, len(d.fed), len(history))
+        other = list(history)
+        other[rand(len(other))] = 1000  # the same tokens but one, in another list: compared whole
+        assert d._seen(other) == _common_prefix(d.fed, other)

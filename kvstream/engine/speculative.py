@@ -195,6 +195,9 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     emit = on_token or (lambda t: None)
     out = [int(sampler(logits))]
     emit(out[0])
+    # the prompt and the output as one list grown by appends: a round hands it to the chain
+    # without an O(context) copy (a draft model then compares only what is new: DraftModel._seen)
+    history = list(prompt) + out
     records: list[StepRecord] = []
     timing, last = _Timing({}), (0, 0)
     n_round = length_policy.decide(LengthSnapshot(n_max, 0, 0, None, {}, None, 0))  # current 0: the first round
@@ -213,14 +216,14 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         # is dropped below (kvstream.engine.runner sizes the cache n_max tokens past the end for it)
         n = min(n_round, cache.max_tokens - cache.length - 1)
         start = cache.length
-        done = rounds.run(model, cache, chain, prompt + out, n, sampler, synthetic_acceptance) \
+        done = rounds.run(model, cache, chain, history, n, sampler, synthetic_acceptance) \
             if rounds is not None and n > 0 and not plain and queued is None else None
         if done is not None:  # drafted, verified and accepted on the device
             kept, n_drafted, draft_s, verify_s = done
             width, stats = 1 + n, cache.stats
         else:
             h_round = None  # the verify's hidden states, for speculators that read them
-            draft = chain.propose(prompt + out, n) if n > 0 and not plain else []
+            draft = chain.propose(history, n) if n > 0 and not plain else []
             n_drafted, width = len(draft), 1 + len(draft)
             draft_s = time.perf_counter() - ts
             if queued is not None:  # this round's step is already on the device
@@ -253,6 +256,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             chain.accepted(n_drafted, len(kept) - 1)
         for t in kept:
             out.append(t)
+            history.append(t)
             emit(t)
         step_s = time.perf_counter() - ts
         # device rounds: the verify's device time for its width (host rounds: the rest of the round)

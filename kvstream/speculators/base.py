@@ -83,7 +83,7 @@ class SpeculatorStats:
 # --------------------------------------------------------------------------------------------
 
 
-def _as_token_list(history: Any) -> list[int]:
+def as_token_list(history: Any) -> list[int]:
     if isinstance(history, list):
         return history
     tolist = getattr(history, "tolist", None)  # numpy arrays, torch tensors
@@ -121,7 +121,7 @@ class Speculator(abc.ABC):
         if n_max <= 0 or len(history) == 0:
             return []
         t0 = time.perf_counter()
-        draft = self._propose(_as_token_list(history), int(n_max), state)
+        draft = self._propose(as_token_list(history), int(n_max), state)
         self.stats.seconds += time.perf_counter() - t0
         if len(draft) > n_max:
             draft = draft[:n_max]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping, Sequence
 
-from kvstream.speculators.base import Speculator, SpeculatorStats
+from kvstream.speculators.base import Speculator, SpeculatorStats, as_token_list
 from kvstream.speculators.registry import create, normalize_name, parse_chain_spec
 
 __all__ = ["Chain", "build_chain"]
@@ -52,7 +52,7 @@ class Chain:
         spec = self.speculators[0] if len(self.speculators) == 1 else None
         if n <= 0 or spec is None or not spec.enabled or not hasattr(spec, "propose_device"):
             return None
-        out = spec.propose_device(list(history), n)
+        out = spec.propose_device(as_token_list(history), n)  # (the engine's list itself: no copy a round)
         if out is not None:
             self.last_winner, self._pending = spec, n
         return out

@@ -110,6 +110,10 @@ class DraftModel(Speculator):
         self.slabs: dict[str, int] | None = None  # its compute slabs (``_reserve``)
         self.fed: list[int] = []  # every token fed; the cache holds fed[base:]
         self.base = 0
+        # the history list of the last round and how many leading tokens of ``fed`` are known to be
+        # its own (``_seen``): positions below that change only through ``_truncate``
+        self._history: list[int] | None = None
+        self._checked = 0
         self.pinned_bytes = 0
         self.enabled = False  # until pinned
         self._graphed: GraphedModel | None = None  # kept across an eject: see pin
@@ -185,6 +189,7 @@ class DraftModel(Speculator):
 
     def _truncate(self, n: int) -> None:
         """Keep the first ``n`` fed tokens."""
+        self._checked = min(self._checked, n)  # what comes after may be fed anew
         if n < self.base:  # the window no longer reaches back that far: re-read the newest half-window
             self.base = max(0, n - self.kv_tokens // 2)
             keep = self.fed[self.base:n]
@@ -217,6 +222,16 @@ class DraftModel(Speculator):
             self.fed.extend(piece)
         return logits[-1]
 
+    def _seen(self, history: list[int]) -> int:
+        """How many leading tokens of ``fed`` are ``history``'s. The engine passes one list that
+        grows by appends: from its second round on only the tokens past the last check are
+        compared, O(a round) instead of O(the context) every round; any other list is compared
+        whole."""
+        start = min(self._checked, len(self.fed)) if history is self._history else 0
+        n = start + _common_prefix(self.fed[start:], history[start:])
+        self._history, self._checked = history, n
+        return n
+
     def begin(self, prompt: list[int]) -> None:
         """Read the prompt (all but its last token, which the first round feeds) into the draft KV."""
         if self.model is not None and len(prompt) > 1:
@@ -243,7 +258,7 @@ class DraftModel(Speculator):
         if self.model is None:
             return []
         # keep what the draft saw of this history, but re-feed at least the last token: its logits start the draft
-        self._truncate(min(_common_prefix(self.fed, history), len(history) - 1))
+        self._truncate(min(self._seen(history), len(history) - 1))
         self._at = len(history)
         logits = self._feed(history[len(self.fed):])
         draft, probs = [], []
@@ -289,7 +304,7 @@ class DraftModel(Speculator):
         reach the host with the verify's readback: ``read_device_round``."""
         if self.model is None or not self.sampler.params.greedy:
             return None
-        self._truncate(min(_common_prefix(self.fed, history), len(history) - 1))
+        self._truncate(min(self._seen(history), len(history) - 1))
         new = history[len(self.fed):]
         if not 0 < len(new) <= MAX_N_Q or self.cache.length + len(new) + n > self.kv_tokens:
             return None

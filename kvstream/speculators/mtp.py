@@ -314,7 +314,7 @@ class MTPDraft(Speculator):
             self.stats.drafted_tokens += n_valid
 
     def _propose(self, history: list[int], n_max: int, state) -> list[int]:
-        out = self._draft(list(history), n_max)
+        out = self._draft(history, n_max)
         if out is None:
             return []
         tokens, top = out
