@@ -781,3 +781,8 @@ def test_seen_compares_only_what_is_new_and_agrees_with_a_whole_compare(host):
         other = list(history)
         other[rand(len(other))] = 1000  # the same tokens but one, in another list: compared whole
         assert d._seen(other) == _common_prefix(d.fed, other)
+        d._truncate(_common_prefix(d.fed, history))  # the draft holds the whole history: checked to its end
+        d._feed(history[len(d.fed):])
+        assert d._seen(history) == len(history) == len(d.fed)
+        del history[-5:]  # the same list, shorter than the last check: compared whole
+        assert d._seen(history) == _common_prefix(d.fed, history) == len(history)

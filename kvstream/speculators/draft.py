@@ -225,9 +225,10 @@ class DraftModel(Speculator):
     def _seen(self, history: list[int]) -> int:
         """How many leading tokens of ``fed`` are ``history``'s. The engine passes one list that
         grows by appends: from its second round on only the tokens past the last check are
-        compared, O(a round) instead of O(the context) every round; any other list is compared
-        whole."""
-        start = min(self._checked, len(self.fed)) if history is self._history else 0
+        compared, O(a round) instead of O(the context) every round; any other list, or that one
+        grown shorter than the last check, is compared whole."""
+        same = history is self._history and len(history) >= self._checked
+        start = min(self._checked, len(self.fed)) if same else 0
         n = start + _common_prefix(self.fed[start:], history[start:])
         self._history, self._checked = history, n
         return n
