@@ -89,8 +89,8 @@ def random_head(args, model) -> str:
     return str(path)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def round_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The decode's options (``round_config``) and ``--out``."""
     ap.add_argument("--target", help="the target's GGUF")
     ap.add_argument("--draft", help="the draft model's GGUF")
     ap.add_argument("--mtp", help="an MTP head's GGUF, or 'random' (seeded random weights for the target)")
@@ -99,6 +99,25 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
     ap.add_argument("--new", type=int, default=400, help="tokens decoded per arm")
     ap.add_argument("--out", default="results/round")
+    return ap
+
+
+def round_config(args, model) -> GenerateConfig:
+    """The decode both arms run: ``args.k`` draft tokens a round from ``--draft`` or ``--mtp``,
+    synthetic acceptance 1.0, resident caches, an automatic arena, ``args.new`` tokens."""
+    if args.mtp:
+        spec = SpecConfig(type="mtp", n_max=args.k, synthetic_acceptance=1.0,
+                          mtp=MTPConfig(source=random_head(args, model) if args.mtp == "random" else args.mtp))
+    else:
+        spec = SpecConfig(type="draft", n_max=args.k, synthetic_acceptance=1.0,
+                          draft=DraftConfig(source=args.draft, p_min=0.0))
+    return GenerateConfig(model=ModelSource(args.target), hardware=Hardware("cuda", "bfloat16"),
+                          cache=CacheConfig(mode="resident"), arena=ArenaConfig("auto"), max_new_tokens=args.new,
+                          ignore_eos=True, spec=spec)
+
+
+def main(argv=None) -> None:
+    ap = round_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--report", nargs="+", metavar="CSV", help="print the table of written CSVs (no GPU)")
     args = ap.parse_args(argv)
     if args.report:
@@ -111,15 +130,7 @@ def main(argv=None) -> None:
     reader = open_gguf(args.target)
     model, tok = load_model(reader, torch.bfloat16, "cuda"), Tokenizer.from_gguf(reader)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
-    if args.mtp:
-        spec = SpecConfig(type="mtp", n_max=args.k, synthetic_acceptance=1.0,
-                          mtp=MTPConfig(source=random_head(args, model) if args.mtp == "random" else args.mtp))
-    else:
-        spec = SpecConfig(type="draft", n_max=args.k, synthetic_acceptance=1.0,
-                          draft=DraftConfig(source=args.draft, p_min=0.0))
-    base = GenerateConfig(model=ModelSource(args.target), hardware=Hardware("cuda", "bfloat16"),
-                          cache=CacheConfig(mode="resident"), arena=ArenaConfig("auto"), max_new_tokens=args.new,
-                          ignore_eos=True, spec=spec)
+    base = round_config(args, model)
     rows = []
     for device_rounds in (False, True, False, True):  # twice each, interleaved: the second pair is reported
         cfg = replace(base, engine=EngineConfig(device_rounds=device_rounds))

@@ -1,0 +1,173 @@
+"""Where a device round's time goes: a torch.profiler trace of ``bench_round``'s decode (device
+rounds), the device's idle time per round, and what the host was doing while the device waited.
+
+    python -m experiments.profile_round --target .models/qwen2.5-coder-1.5b.skeleton.gguf \
+        --draft .models/qwen2.5-coder-0.5b.skeleton.gguf --context 4096 --k 4
+    python -m experiments.profile_round --target .models/qwen2.5-coder-1.5b.skeleton.gguf --mtp random --k 4
+
+The engine's round functions are wrapped in ``record_function`` labels (``LABELS``) for the
+profiled run only. In the trace, every microsecond of the main thread gets its innermost label
+(a wrapped function, a torch op, a CUDA runtime call; "engine loop" where none), and each device
+idle gap (no kernel, copy or memset running) is split by those labels: the host work the device
+waited for. The profiler slows the host, so the shares matter more than the absolute times; a
+round's unprofiled time is ``bench_round``'s. Writes ``<out>/profile_<context>_k<k>[_mtp].csv``:
+per label, host ms per round and device-idle ms per round while the host was in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import inspect
+import json
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from experiments.bench_round import round_arguments, round_config
+from experiments.common import provenance
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+ROUND = "round.run"
+OTHER = "engine loop"
+
+
+def _labels():
+    """(owner, attribute, label) of what the profiled run wraps: a round's phases."""
+    from kvstream.cache.paged import PagedCache
+    from kvstream.cache.paged_staging import PinnedUpload
+    from kvstream.engine import speculative
+    from kvstream.engine.draft_control import DraftControl
+    from kvstream.engine.graphs import ChainGraphs, GraphedModel
+    from kvstream.engine.readback import Readback
+    from kvstream.speculators.chain import Chain
+    from kvstream.speculators.draft import DraftModel
+    from kvstream.speculators.mtp import MTPDraft
+    from kvstream.telemetry import StepRecord
+    from policies import draft_length
+
+    out = [(speculative._DeviceRound, "run", ROUND), (speculative, "accept_on_device", "accept_on_device"),
+           (Chain, "propose_device", "propose_device"), (Chain, "accepted", "chain.accepted"),
+           (ChainGraphs, "run", "chain graph"), (GraphedModel, "__call__", "graphed step"),
+           (PagedCache, "begin", "cache.begin"), (PagedCache, "commit", "cache.commit"),
+           (PagedCache, "truncate", "cache.truncate"), (PinnedUpload, "send", "upload.send"),
+           (Readback, "start", "readback.start"), (Readback, "read", "readback.read"),
+           (StepRecord, "of", "step record"), (DraftControl, "after_step", "control.after_step"),
+           (DraftModel, "read_device_round", "read_device_round"), (MTPDraft, "read_device_round", "read_device_round"),
+           (MTPDraft, "observe", "observe")]
+    out += [(cls, "decide", "length policy") for _, cls in inspect.getmembers(draft_length, inspect.isclass)
+            if "decide" in vars(cls)]
+    return out
+
+
+@contextlib.contextmanager
+def labelled():
+    """The round's functions wrapped in ``record_function`` labels while inside."""
+    saved = []
+    for owner, attr, label in _labels():
+        raw = inspect.getattr_static(owner, attr)
+        fn = raw.__func__ if isinstance(raw, classmethod) else raw
+
+        def wrap(fn=fn, label=label):
+            @functools.wraps(fn)
+            def inner(*a, **k):
+                with torch.profiler.record_function(label):
+                    return fn(*a, **k)
+            return inner
+        setattr(owner, attr, classmethod(wrap()) if isinstance(raw, classmethod) else wrap())
+        saved.append((owner, attr, raw))
+    try:
+        yield
+    finally:
+        for owner, attr, raw in reversed(saved):
+            setattr(owner, attr, raw)
+
+
+def split_idle(events: list[dict], skip: int = 5) -> tuple[pd.DataFrame, dict]:
+    """Per label: host ms a round, and device-idle ms a round while the main thread was in it.
+
+    ``events``: a chrome trace's ``traceEvents``. The window runs from the start of the
+    ``skip``-th ``round.run`` label to the start of the last (whole periods, rounds past the
+    first); the main thread is that label's. Every microsecond of it gets its innermost label: wrapped functions
+    (user annotations), torch ops and CUDA runtime calls, ``engine loop`` where none."""
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    rounds = sorted((e for e in spans if e.get("name") == ROUND), key=lambda e: e["ts"])
+    if len(rounds) < skip + 2:
+        raise ValueError(f"{len(rounds)} device rounds in the trace: two are needed past the {skip} skipped")
+    rounds = rounds[skip:]
+    lo, hi = rounds[0]["ts"], rounds[-1]["ts"]
+    main = (rounds[0]["pid"], rounds[0]["tid"])
+    n = int(np.ceil(hi - lo))  # one slot per microsecond
+    names, host = [OTHER], np.zeros(n, dtype=np.int32)
+    marks = [e for e in spans if (e["pid"], e["tid"]) == main and e.get("cat") in ("user_annotation", "cpu_op", "cuda_runtime",
+                                                                                   "cuda_driver")]
+    for e in sorted(marks, key=lambda e: -e["dur"]):  # outer first: inner labels overwrite
+        a, b = int(max(e["ts"], lo) - lo), int(min(e["ts"] + e["dur"], hi) - lo)
+        if b > a:
+            if e["name"] not in names:
+                names.append(e["name"])
+            host[a:b] = names.index(e["name"])
+    busy = np.zeros(n, dtype=bool)
+    for e in spans:
+        if e.get("cat") in GPU_CATEGORIES:
+            a, b = int(max(e["ts"], lo) - lo), int(np.ceil(min(e["ts"] + e["dur"], hi) - lo))
+            if b > a:
+                busy[a:b] = True
+    n_rounds = len(rounds) - 1
+    host_us, idle_us = Counter(host.tolist()), Counter(host[~busy].tolist())
+    table = pd.DataFrame([{"label": names[i], "host_ms": host_us[i] / 1e3 / n_rounds, "idle_ms": idle_us[i] / 1e3 / n_rounds}
+                          for i in host_us]).sort_values("idle_ms", ascending=False, ignore_index=True)
+    summary = {"rounds": n_rounds, "round_ms": n / 1e3 / n_rounds, "busy_ms": busy.sum() / 1e3 / n_rounds,
+               "idle_ms": (~busy).sum() / 1e3 / n_rounds}
+    return table, summary
+
+
+def main(argv=None) -> None:
+    ap = round_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    ap.add_argument("--top", type=int, default=20, help="labels printed")
+    args = ap.parse_args(argv)
+    if args.target is None or (args.draft is None) == (args.mtp is None):
+        ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_round traces CUDA graphs and device rounds: it needs a GPU")
+    from kvstream.config import EngineConfig
+    from kvstream.engine.runner import run_decode
+    from kvstream.model.loader import open_gguf
+    from kvstream.model.qwen import load_model
+    from kvstream.model.tokenizer import Tokenizer
+
+    reader = open_gguf(args.target)
+    model, tok = load_model(reader, torch.bfloat16, "cuda"), Tokenizer.from_gguf(reader)
+    prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = replace(round_config(args, model), engine=EngineConfig(device_rounds=True))
+    plain = run_decode(cfg, model, tok, prompt)  # unprofiled: the round's own time, and every graph warm
+    plain_ms = 1e3 * float(np.median([r.step_s for r in plain.generation.records if r.verify_width == 1 + args.k][5:]))
+    del plain
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with labelled(), torch.profiler.profile(activities=acts) as prof:
+        run_decode(cfg, model, tok, prompt)
+    trace = Path(tempfile.mkdtemp(prefix="profile_round_")) / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    table, s = split_idle(json.loads(trace.read_text())["traceEvents"])
+    command = " ".join(["python -m experiments.profile_round", *sys.argv[1:]])
+    df = table.assign(rounds=s["rounds"], profiled_round_ms=s["round_ms"], busy_ms=s["busy_ms"],
+                      round_ms=plain_ms, context=args.context, k=args.k, command=command, **provenance())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = out / f"profile_{args.context}_k{args.k}{'_mtp' if args.mtp else ''}.csv"
+    df.to_csv(name, index=False)
+    print(f"round {plain_ms:.3f} ms unprofiled; profiled {s['round_ms']:.3f} ms: device busy {s['busy_ms']:.3f}, "
+          f"idle {s['idle_ms']:.3f} ms ({s['rounds']} rounds)")
+    print(table.head(args.top).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    print(f"wrote {name} (trace: {trace})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""experiments/profile_round: the split of a trace's device idle time by the host's labels, and
+the labels a profiled decode carries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments.profile_round import OTHER, ROUND, labelled, split_idle
+from kvstream.engine.draft_control import DraftControl
+from kvstream.engine.speculative import speculative_generate
+from kvstream.model.sampling import Sampler
+from kvstream.speculators.chain import Chain
+from kvstream.speculators.draft import DraftModel
+from policies.eject import Never
+from test_draft import CHUNK, GREEDY, PROMPT, arena_mib, files, model, new_draft, target_cache  # noqa: F401
+from kvstream.model.tokenizer import Tokenizer
+from kvstream.speculators.draft import load_host
+
+
+def span(name, ts, dur, cat="user_annotation", tid=1):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "pid": 0, "tid": tid}
+
+
+def test_idle_time_goes_to_the_innermost_host_label():
+    """Rounds every 100 us, each labelled for 80 us (the first skipped, the last only ends the
+    window): per period the device runs 60 us and idles 40 while the host is in "read" (10 us),
+    a torch op inside "record" (6 + 4 us) and nothing labelled (20 us, the engine loop)."""
+    ev = []
+    for r in (0, 100, 200, 300):
+        ev += [span(ROUND, r, 80), span("kernel", r, 60, cat="kernel", tid=7), span("read", r + 60, 10),
+               span("record", r + 70, 10), span("aten::copy_", r + 72, 4, cat="cpu_op"),
+               span("other thread", r + 60, 40, tid=2)]
+    table, s = split_idle(ev, skip=1)
+    idle = dict(zip(table.label, table.idle_ms * 1e3))
+    assert s["rounds"] == 2 and s["round_ms"] == pytest.approx(0.1) and s["busy_ms"] == pytest.approx(0.06)
+    assert idle == pytest.approx({"read": 10, "record": 6, "aten::copy_": 4, OTHER: 20, ROUND: 0})
+    host = dict(zip(table.label, table.host_ms * 1e3))
+    assert host == pytest.approx({ROUND: 60, "read": 10, "record": 6, "aten::copy_": 4, OTHER: 20})
+
+
+def test_too_few_rounds_is_one_clear_error():
+    with pytest.raises(ValueError, match="2 device rounds in the trace: two are needed past the 5 skipped"):
+        split_idle([span(ROUND, 0, 10), span(ROUND, 10, 10)])
+
+
+def test_a_profiled_device_round_carries_the_labels(model, files):
+    """A CPU decode with device rounds under the profiler: the wrapped functions show up as
+    labels, and leaving ``labelled`` puts the originals back."""
+    before = (DraftModel.read_device_round, Chain.propose_device)
+    host = load_host(files[0], Tokenizer.from_gguf(files[0]).token_texts, torch.float32, "cpu")
+    cache = target_cache(model, arena_mib(model, host, 2))
+    draft = new_draft(host, p_min=0.0, sampling=GREEDY)
+    with labelled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        speculative_generate(model, cache, PROMPT, 24, Sampler(GREEDY), Chain([draft]), n_max=4, prefill_chunk=CHUNK,
+                             control=DraftControl(draft, cache, Never()), device_rounds=True)
+    names = {e.name for e in prof.events()}
+    assert {ROUND, "propose_device", "accept_on_device", "readback.read", "read_device_round", "step record",
+            "control.after_step", "length policy", "cache.begin"} <= names
+    assert (DraftModel.read_device_round, Chain.propose_device) == before
