@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gzip
 import inspect
 import json
 import sys
@@ -98,7 +99,9 @@ def split_idle(events: list[dict], skip: int = 5) -> tuple[pd.DataFrame, dict]:
     first); the main thread is that label's. Every microsecond of it gets its innermost label: wrapped functions
     (user annotations), torch ops and CUDA runtime calls, ``engine loop`` where none."""
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    rounds = sorted((e for e in spans if e.get("name") == ROUND), key=lambda e: e["ts"])
+    # (the profiler also draws each label on the device's timeline, as a gpu_user_annotation)
+    rounds = sorted((e for e in spans if e.get("name") == ROUND and e.get("cat") == "user_annotation"),
+                    key=lambda e: e["ts"])
     if len(rounds) < skip + 2:
         raise ValueError(f"{len(rounds)} device rounds in the trace: two are needed past the {skip} skipped")
     rounds = rounds[skip:]
@@ -132,6 +135,7 @@ def split_idle(events: list[dict], skip: int = 5) -> tuple[pd.DataFrame, dict]:
 def main(argv=None) -> None:
     ap = round_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--top", type=int, default=20, help="labels printed")
+    ap.add_argument("--trace", help="also write the trace's events here (gzipped JSON) for another look")
     args = ap.parse_args(argv)
     if args.target is None or (args.draft is None) == (args.mtp is None):
         ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
@@ -155,7 +159,11 @@ def main(argv=None) -> None:
         run_decode(cfg, model, tok, prompt)
     trace = Path(tempfile.mkdtemp(prefix="profile_round_")) / "trace.json"
     prof.export_chrome_trace(str(trace))
-    table, s = split_idle(json.loads(trace.read_text())["traceEvents"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    if args.trace:
+        with gzip.open(args.trace, "wt") as f:
+            json.dump(events, f)
+    table, s = split_idle(events)
     command = " ".join(["python -m experiments.profile_round", *sys.argv[1:]])
     df = table.assign(rounds=s["rounds"], profiled_round_ms=s["round_ms"], busy_ms=s["busy_ms"],
                       round_ms=plain_ms, context=args.context, k=args.k, command=command, **provenance())
@@ -166,7 +174,7 @@ def main(argv=None) -> None:
     print(f"round {plain_ms:.3f} ms unprofiled; profiled {s['round_ms']:.3f} ms: device busy {s['busy_ms']:.3f}, "
           f"idle {s['idle_ms']:.3f} ms ({s['rounds']} rounds)")
     print(table.head(args.top).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
-    print(f"wrote {name} (trace: {trace})")
+    print(f"wrote {name}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def test_idle_time_goes_to_the_innermost_host_label():
     a torch op inside "record" (6 + 4 us) and nothing labelled (20 us, the engine loop)."""
     ev = []
     for r in (0, 100, 200, 300):
-        ev += [span(ROUND, r, 80), span("kernel", r, 60, cat="kernel", tid=7), span("read", r + 60, 10),
+        ev += [span(ROUND, r, 80), span(ROUND, r, 60, cat="gpu_user_annotation", tid=7), span("kernel", r, 60, cat="kernel", tid=7), span("read", r + 60, 10),
                span("record", r + 70, 10), span("aten::copy_", r + 72, 4, cat="cpu_op"),
                span("other thread", r + 60, 40, tid=2)]
     table, s = split_idle(ev, skip=1)
