@@ -5,13 +5,15 @@ rounds), the device's idle time per round, and what the host was doing while the
         --draft .models/qwen2.5-coder-0.5b.skeleton.gguf --context 4096 --k 4
     python -m experiments.profile_round --target .models/qwen2.5-coder-1.5b.skeleton.gguf --mtp random --k 4
 
-The engine's round functions are wrapped in ``record_function`` labels (``LABELS``) for the
+The engine's round functions are wrapped in ``record_function`` labels (``_labels``) for the
 profiled run only. In the trace, every microsecond of the main thread gets its innermost label
 (a wrapped function, a torch op, a CUDA runtime call; "engine loop" where none), and each device
 idle gap (no kernel, copy or memset running) is split by those labels: the host work the device
 waited for. The profiler slows the host, so the shares matter more than the absolute times; a
 round's unprofiled time is ``bench_round``'s. Writes ``<out>/profile_<context>_k<k>[_mtp].csv``:
-per label, host ms per round and device-idle ms per round while the host was in it.
+per label, host ms per round and device-idle ms per round while the host was in it (profiled),
+and host ms per round inclusive of what it calls (`host_unprofiled_ms`, timed with perf_counter
+in a run without the profiler; "graph launch" is `CUDAGraph.replay`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import inspect
 import json
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -68,21 +71,44 @@ def _labels():
     return out
 
 
+def _record(fn, label):
+    @functools.wraps(fn)
+    def inner(*a, **k):
+        with torch.profiler.record_function(label):
+            return fn(*a, **k)
+    return inner
+
+
+class HostClock(dict):
+    """Host seconds per label (inclusive: a label's time contains the labels it calls), taken
+    with ``time.perf_counter`` around each call (no profiler, ~1 us a call), counted from the
+    first device round on (not the prefill's or the warm-up's calls)."""
+
+    armed = False
+
+    def wrap(self, fn, label):
+        @functools.wraps(fn)
+        def inner(*a, **k):
+            if label == ROUND and not self.armed:
+                self.clear()
+                self.armed = True
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self[label] = self.get(label, 0.0) + time.perf_counter() - t0
+        return inner
+
+
 @contextlib.contextmanager
-def labelled():
-    """The round's functions wrapped in ``record_function`` labels while inside."""
+def labelled(wrap=_record, extra=()):
+    """The round's functions wrapped by ``wrap(fn, label)`` while inside (default: a
+    ``record_function`` label each); ``extra``: more (owner, attribute, label)."""
     saved = []
-    for owner, attr, label in _labels():
+    for owner, attr, label in [*_labels(), *extra]:
         raw = inspect.getattr_static(owner, attr)
         fn = raw.__func__ if isinstance(raw, classmethod) else raw
-
-        def wrap(fn=fn, label=label):
-            @functools.wraps(fn)
-            def inner(*a, **k):
-                with torch.profiler.record_function(label):
-                    return fn(*a, **k)
-            return inner
-        setattr(owner, attr, classmethod(wrap()) if isinstance(raw, classmethod) else wrap())
+        setattr(owner, attr, classmethod(wrap(fn, label)) if isinstance(raw, classmethod) else wrap(fn, label))
         saved.append((owner, attr, raw))
     try:
         yield
@@ -154,6 +180,11 @@ def main(argv=None) -> None:
     plain = run_decode(cfg, model, tok, prompt)  # unprofiled: the round's own time, and every graph warm
     plain_ms = 1e3 * float(np.median([r.step_s for r in plain.generation.records if r.verify_width == 1 + args.k][5:]))
     del plain
+    clock = HostClock()  # unprofiled host times, graph launches included
+    with labelled(clock.wrap, extra=[(torch.cuda.CUDAGraph, "replay", "graph launch")]):
+        timed = run_decode(cfg, model, tok, prompt)
+    n_timed = sum(r.verify_width > 1 for r in timed.generation.records)
+    del timed
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with labelled(), torch.profiler.profile(activities=acts) as prof:
         run_decode(cfg, model, tok, prompt)
@@ -165,6 +196,9 @@ def main(argv=None) -> None:
             json.dump(events, f)
     table, s = split_idle(events)
     command = " ".join(["python -m experiments.profile_round", *sys.argv[1:]])
+    table["host_unprofiled_ms"] = [1e3 * clock.get(label, float("nan")) / n_timed for label in table.label]
+    table = pd.concat([table, pd.DataFrame([{"label": k, "host_unprofiled_ms": 1e3 * v / n_timed}
+                                            for k, v in clock.items() if k not in set(table.label)])], ignore_index=True)
     df = table.assign(rounds=s["rounds"], profiled_round_ms=s["round_ms"], busy_ms=s["busy_ms"],
                       round_ms=plain_ms, context=args.context, k=args.k, command=command, **provenance())
     out = Path(args.out)

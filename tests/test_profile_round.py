@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.profile_round import OTHER, ROUND, labelled, split_idle
+from experiments.profile_round import OTHER, ROUND, HostClock, labelled, split_idle
 from kvstream.engine.draft_control import DraftControl
 from kvstream.engine.speculative import speculative_generate
 from kvstream.model.sampling import Sampler
@@ -58,3 +58,18 @@ def test_a_profiled_device_round_carries_the_labels(model, files):
     assert {ROUND, "propose_device", "accept_on_device", "readback.read", "read_device_round", "step record",
             "control.after_step", "length policy", "cache.begin"} <= names
     assert (DraftModel.read_device_round, Chain.propose_device) == before
+
+
+def test_the_host_clock_counts_from_the_first_device_round(model, files):
+    """Unprofiled host times: every wrapped label of a device round, counted from the first
+    round (the prefill's cache.begin calls are not), inclusive (a round contains its parts)."""
+    host = load_host(files[0], Tokenizer.from_gguf(files[0]).token_texts, torch.float32, "cpu")
+    cache = target_cache(model, arena_mib(model, host, 2))
+    draft = new_draft(host, p_min=0.0, sampling=GREEDY)
+    clock = HostClock()
+    with labelled(clock.wrap):
+        g = speculative_generate(model, cache, PROMPT, 24, Sampler(GREEDY), Chain([draft]), n_max=4, prefill_chunk=CHUNK,
+                                 control=DraftControl(draft, cache, Never()), device_rounds=True)
+    assert clock.armed and {ROUND, "propose_device", "accept_on_device", "cache.begin", "step record"} <= set(clock)
+    assert 0 < clock["accept_on_device"] < clock[ROUND] and clock["propose_device"] < clock[ROUND]
+    assert len(g.tokens) == 24
