@@ -154,8 +154,9 @@ class ChainGraphs:
         self.captures = 0
 
     def run(self, key: tuple, body, cache, at: tuple) -> tuple:
-        """``body()``'s outputs (a tuple of tensors), from its graph's replay; their clones, since
-        the next replay rewrites them."""
+        """``body()``'s outputs (a tuple of tensors), from its graph's replay: the graph's own
+        buffers, valid until the next replay of ``key`` (a drafting round reads them within the
+        round; clones would be two more eager kernels between the round's launches)."""
         if at != self.at:
             self.graphs, self.at, self.pool = {}, at, torch.cuda.graph_pool_handle()
         entry = self.graphs.get(key)
@@ -163,7 +164,7 @@ class ChainGraphs:
             entry = self.graphs[key] = capture(body, cache, self.pool, self.stream)
             self.captures += 1
         entry[0].replay()
-        return tuple(t.clone() for t in entry[1])
+        return entry[1]
 
 
 def capture(body, cache, pool, stream, keep_graph: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:

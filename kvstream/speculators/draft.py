@@ -43,6 +43,7 @@ from kvstream.engine.readback import Readback
 from kvstream.model.sampling import Sampler, SamplingParams
 from kvstream.model.tokenizer import gguf_metadata
 from kvstream.speculators.base import Speculator
+from kvstream.speculators.device_draft import pick, stop_mask
 from kvstream.speculators.pinned import pin_kv, unpin
 from kvstream.speculators.registry import register
 
@@ -317,40 +318,35 @@ class DraftModel(Speculator):
             self.fed.extend(new[:-1])
             new = new[-1:]
         self._stage(new)
-        tokens, top = self._run_chain(len(new), n)
+        out = self._run_chain(len(new), n)
         self.fed.extend(new)
-        valid = torch.cumprod((top >= self.p_min).int(), 0)
-        return tokens, (valid * (valid.sum() >= max(1, self.n_min))).bool()
+        return out
 
     def _stage(self, tokens: list[int]) -> None:
         """Token ids into the static input buffer, from a pinned buffer (a pageable copy would sync)."""
-        stage = self._ids.stage()
-        stage[:len(tokens)] = torch.tensor(tokens)
+        self._ids.stage().numpy()[:len(tokens)] = tokens
         self._ids.send()
 
     def _chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A device round between one ``begin(w + n - 1)`` and its ``commit``: the catch-up of the
         w staged tokens, then n - 1 draft steps, each a row of its own (``sub_pass``) fed the
-        step before's argmax; (tokens [n], top probabilities [n], ones when ``p_min`` is 0). The
+        step before's argmax; (tokens [n], the ``p_min`` stop as a mask [n]: ``stop_mask``). The
         same kernels on the same rows as a catch-up and n - 1 separate steps."""
         model, cache = self.model, self.cache
         logits = model.body(self._ids.dst[:w], cache.sub_pass(0, w), cache)[-1]
         tokens, top = [], []
         for i in range(n):
-            if self.p_min > 0:
-                p, t = torch.softmax(logits.float(), -1).max(-1)
-                top.append(p)
-            else:  # no stop: the argmax alone (a softmax over the vocabulary costs ~30 us a step)
-                t = logits.argmax(-1)
+            t, p = pick(logits, self.p_min)
             tokens.append(t.view(1))
+            top += [p] if p is not None else []
             if i + 1 < n:
                 logits = model.body(tokens[-1], cache.sub_pass(w + i, 1), cache)[-1]
-        top = torch.stack(top) if top else torch.ones(n, dtype=torch.float32, device=self.device)
-        return torch.cat(tokens), top
+        return torch.cat(tokens), stop_mask(top, n, self.p_min, self.n_min, self.device)
 
     def _run_chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``_chain``: eager, or (graphs) a graph per (w, n) for the weights' addresses and the
-        draft cache's layout (``ChainGraphs``)."""
+        draft cache's layout (``ChainGraphs``; its outputs hold until that graph's next replay,
+        a round later)."""
         cache = self.cache
         cache.begin(w + n - 1)
         if self.chains is not None:

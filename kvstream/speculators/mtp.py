@@ -42,6 +42,7 @@ from kvstream.engine.graphs import ChainGraphs, GraphedModel, warm_widths
 from kvstream.speculators.pinned import pin_kv, unpin
 from kvstream.model.mtp import MTPHead
 from kvstream.speculators.base import Speculator
+from kvstream.speculators.device_draft import pick, stop_mask
 from kvstream.speculators.host_rows import HostRows
 from kvstream.speculators.registry import register
 
@@ -204,8 +205,7 @@ class MTPDraft(Speculator):
         """The rows' states and tokens into the static input buffers; the token ids' view."""
         n = len(tokens)
         self._set_offset(start)
-        stage = self._ids.stage()
-        stage[:n] = torch.tensor(tokens)
+        self._ids.stage().numpy()[:n] = tokens
         self._ids.send()
         self._step.h_in[:n].copy_(h)
         return self._ids.dst[:n]
@@ -239,7 +239,7 @@ class MTPDraft(Speculator):
         return h[-1:], history[last + 1:last + 2], last
 
     def _draft(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """n greedy draft tokens and their top probabilities, on the device (no host sync): the
+        """n greedy draft tokens and their ``p_min`` mask, on the device (no host sync): the
         rows committed since the last round fed, then the draft steps, as one pass (``_run_chain``);
         rows that do not fit in it (a prefill chunk's, a re-enable's catch-up) are fed first."""
         if not self.enabled or (self._rows is None and not self._backlog):
@@ -261,26 +261,21 @@ class MTPDraft(Speculator):
     def _chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A round's device work between one ``begin(w + n - 1)`` and its ``commit``: the feed of
         the w staged rows, then n - 1 draft steps, each a row of its own (``sub_pass``) fed the
-        step before's output state and token; (tokens [n] as target ids, top probabilities [n]
-        or ones when ``p_min`` is 0). The same kernels on the same rows as a feed and n - 1
+        step before's output state and token; (tokens [n] as target ids, the ``p_min`` stop as a
+        mask [n]: ``stop_mask``). The same kernels on the same rows as a feed and n - 1
         separate steps, so the same tokens, with one host pass instead of n."""
         head, step, cache = self.head, self._step, self.cache
         pos = cache.sub_pass(0, w)
         logits, g = head.block(step.h_in[:w], self._ids.dst[:w], pos + step.offset, cache)
         tokens, top = [], []
         for i in range(n):
-            last = logits[-1]
-            if self.p_min > 0:
-                p, t = torch.softmax(last.float(), -1).max(-1)
-                top.append(p)
-            else:
-                t = last.argmax(-1)
+            t, p = pick(logits[-1], self.p_min)
             tokens.append(head.to_target(t.view(1)))
+            top += [p] if p is not None else []
             if i + 1 < n:
                 pos = cache.sub_pass(w + i, 1)
                 logits, g = head.block(g[-1:], tokens[-1], pos + step.offset, cache)
-        top = torch.stack(top) if top else torch.ones(n, dtype=torch.float32, device=self.device)
-        return torch.cat(tokens), top
+        return torch.cat(tokens), stop_mask(top, n, self.p_min, self.n_min, self.device)
 
     def _run_chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``_chain`` over the staged rows: eager, or (``graphs``) a graph captured once per (w, n)
@@ -300,12 +295,9 @@ class MTPDraft(Speculator):
     def propose_device(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``DraftModel.propose_device``'s contract: (tokens [n], valid [n]) without a host sync."""
         out = self._draft(history, n)
-        if out is None:
-            return None
-        self.stats.calls += 1
-        tokens, top = out
-        valid = torch.cumprod((top >= self.p_min).int(), 0)
-        return tokens, (valid * (valid.sum() >= max(1, self.n_min))).bool()
+        if out is not None:
+            self.stats.calls += 1
+        return out
 
     def read_device_round(self, tokens: list[int], n_valid: int) -> None:
         self._round = 0
@@ -317,15 +309,10 @@ class MTPDraft(Speculator):
         out = self._draft(history, n_max)
         if out is None:
             return []
-        tokens, top = out
-        draft = []
-        for t, p in zip(tokens.tolist(), top.tolist()):  # the host path: one read for the whole draft
-            if p < self.p_min:
-                break
-            draft.append(t)
-        if len(draft) < max(1, self.n_min):
+        tokens, valid = out
+        draft = tokens[:int(valid.sum())].tolist()  # the host path: the mask's prefix (none under n_min)
+        if not draft:
             self._accepted(0, 0)
-            return []
         return draft
 
     def _accepted(self, n_drafted: int, n_accepted: int) -> None:
