@@ -14,8 +14,11 @@ the target's captured 1 + k step and the draft's captured one-token step, replay
 goal (issue #28): a device round <= verify + k x draft + 0.15 ms. With ``--mtp`` the draft is
 an MTP head (a GGUF, or ``random``: seeded random weights made for the target, with
 ``--draft-vocab`` rows of its LM head); a round's drafting is then a feed of the k + 1 kept
-rows and k - 1 one-row steps, so its parts are verify + feed + (k - 1) x step. Writes
-``<out>/round_<context>_k<k>[_mtp].csv`` (one row per arm, with the command and provenance).
+rows and k - 1 one-row steps, so its parts are verify + feed + (k - 1) x step. ``--alpha``
+below 1 keeps each draft token with that probability (rounds of varying width, as real acceptance
+gives; the parts stay a full round's, a narrower feed costing a little less), ``--cache stream`` runs the studies' cache mode. Writes
+``<out>/round_<context>_k<k>[_mtp][_a<alpha>][_stream].csv`` (one row per arm, with the command
+and provenance).
 """
 
 from __future__ import annotations
@@ -98,21 +101,32 @@ def round_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
     ap.add_argument("--new", type=int, default=400, help="tokens decoded per arm")
+    ap.add_argument("--alpha", type=float, default=1.0,
+                    help="synthetic acceptance: each draft token kept with this probability (1: every round k + 1 tokens)")
+    ap.add_argument("--cache", default="resident", choices=["resident", "stream"],
+                    help="the target's cache mode (stream: the studies' setting; with arena auto nothing streams)")
     ap.add_argument("--out", default="results/round")
     return ap
 
 
+def tag(args) -> str:
+    """A run's file-name part: context, k, the drafter, and the options off their defaults."""
+    return (f"{args.context}_k{args.k}{'_mtp' if args.mtp else ''}" + (f"_a{args.alpha:g}" if args.alpha != 1 else "")
+            + ("_stream" if args.cache != "resident" else ""))
+
+
 def round_config(args, model) -> GenerateConfig:
     """The decode both arms run: ``args.k`` draft tokens a round from ``--draft`` or ``--mtp``,
-    synthetic acceptance 1.0, resident caches, an automatic arena, ``args.new`` tokens."""
+    synthetic acceptance ``args.alpha``, an ``args.cache`` target cache in an automatic arena,
+    ``args.new`` tokens."""
     if args.mtp:
-        spec = SpecConfig(type="mtp", n_max=args.k, synthetic_acceptance=1.0,
+        spec = SpecConfig(type="mtp", n_max=args.k, synthetic_acceptance=args.alpha,
                           mtp=MTPConfig(source=random_head(args, model) if args.mtp == "random" else args.mtp))
     else:
-        spec = SpecConfig(type="draft", n_max=args.k, synthetic_acceptance=1.0,
+        spec = SpecConfig(type="draft", n_max=args.k, synthetic_acceptance=args.alpha,
                           draft=DraftConfig(source=args.draft, p_min=0.0))
     return GenerateConfig(model=ModelSource(args.target), hardware=Hardware("cuda", "bfloat16"),
-                          cache=CacheConfig(mode="resident"), arena=ArenaConfig("auto"), max_new_tokens=args.new,
+                          cache=CacheConfig(mode=args.cache), arena=ArenaConfig("auto"), max_new_tokens=args.new,
                           ignore_eos=True, spec=spec)
 
 
@@ -159,7 +173,7 @@ def main(argv=None) -> None:
                                    command=" ".join(["python -m experiments.bench_round", *sys.argv[1:]]), **provenance())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = out / f"round_{args.context}_k{args.k}{'_mtp' if args.mtp else ''}.csv"
+    name = out / f"round_{tag(args)}.csv"
     df.to_csv(name, index=False)
     print(f"verify (1 + {args.k}) {verify:.3f} ms, {'' if feed is None else f'feed {feed:.3f} ms, '}"
           f"draft step {draft_step:.3f} ms: parts {floor:.3f} ms")

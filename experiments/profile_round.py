@@ -10,7 +10,7 @@ profiled run only. In the trace, every microsecond of the main thread gets its i
 (a wrapped function, a torch op, a CUDA runtime call; "engine loop" where none), and each device
 idle gap (no kernel, copy or memset running) is split by those labels: the host work the device
 waited for. The profiler slows the host, so the shares matter more than the absolute times; a
-round's unprofiled time is ``bench_round``'s. Writes ``<out>/profile_<context>_k<k>[_mtp].csv``:
+round's unprofiled time is ``bench_round``'s. Writes ``<out>/profile_<bench_round's tag>.csv``:
 per label, host ms per round and device-idle ms per round while the host was in it (profiled),
 and host ms per round inclusive of what it calls (`host_unprofiled_ms`, timed with perf_counter
 in a run without the profiler; "graph launch" is `CUDAGraph.replay`).
@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments.bench_round import round_arguments, round_config
+from experiments.bench_round import round_arguments, round_config, tag
 from experiments.common import provenance
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -204,7 +204,7 @@ def main(argv=None) -> None:
                       round_ms=plain_ms, context=args.context, k=args.k, command=command, **provenance())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = out / f"profile_{args.context}_k{args.k}{'_mtp' if args.mtp else ''}.csv"
+    name = out / f"profile_{tag(args)}.csv"
     df.to_csv(name, index=False)
     print(f"round {plain_ms:.3f} ms unprofiled; profiled {s['round_ms']:.3f} ms: device busy {s['busy_ms']:.3f}, "
           f"idle {s['idle_ms']:.3f} ms ({s['rounds']} rounds)")
