@@ -13,7 +13,8 @@ waited for. The profiler slows the host, so the shares matter more than the abso
 round's unprofiled time is ``bench_round``'s. Writes ``<out>/profile_<bench_round's tag>.csv``:
 per label, host ms per round and device-idle ms per round while the host was in it (profiled),
 and host ms per round inclusive of what it calls (`host_unprofiled_ms`, timed with perf_counter
-in a run without the profiler; "graph launch" is `CUDAGraph.replay`).
+in a run without the profiler; "graph launch" is `CUDAGraph.replay`), with the medians of the
+two host intervals the device may wait through (``HostClock.critical_path``).
 """
 
 from __future__ import annotations
@@ -87,18 +88,43 @@ class HostClock(dict):
 
     armed = False
 
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, float, float]] = []  # (label, entered, left) in call order
+
     def wrap(self, fn, label):
         @functools.wraps(fn)
         def inner(*a, **k):
             if label == ROUND and not self.armed:
                 self.clear()
+                self.calls.clear()
                 self.armed = True
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                self[label] = self.get(label, 0.0) + time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self[label] = self.get(label, 0.0) + t1 - t0
+                self.calls.append((label, t0, t1))
         return inner
+
+    def critical_path(self) -> dict[str, float]:
+        """Median host ms, per round, of the two waits the device may sit through: from the
+        round's readback back on the host to the next round's chain launched ("read -> chain"),
+        and from the chain launched to the verify launched ("chain -> verify": the device idles
+        where it is longer than the chain's device time)."""
+        gaps = {"read -> chain": [], "chain -> verify": []}
+        read_left = chain_left = None
+        for label, t0, t1 in sorted(self.calls, key=lambda c: c[1]):
+            if label == "readback.read":
+                read_left = t1
+            elif label == "chain graph" and read_left is not None:
+                gaps["read -> chain"].append(t0 - read_left)
+                read_left, chain_left = None, t1
+            elif label == "graphed step" and chain_left is not None:
+                gaps["chain -> verify"].append(t0 - chain_left)
+                chain_left = None
+        return {k: 1e3 * float(np.median(v)) if v else float("nan") for k, v in gaps.items()}
 
 
 @contextlib.contextmanager
@@ -199,7 +225,9 @@ def main(argv=None) -> None:
     command = " ".join(["python -m experiments.profile_round", *sys.argv[1:]])
     table["host_unprofiled_ms"] = [1e3 * clock.get(label, float("nan")) / n_timed for label in table.label]
     table = pd.concat([table, pd.DataFrame([{"label": k, "host_unprofiled_ms": 1e3 * v / n_timed}
-                                            for k, v in clock.items() if k not in set(table.label)])], ignore_index=True)
+                                            for k, v in clock.items() if k not in set(table.label)]),
+                       pd.DataFrame([{"label": f"critical path: {k}", "host_unprofiled_ms": v}
+                                     for k, v in clock.critical_path().items()])], ignore_index=True)
     df = table.assign(rounds=s["rounds"], profiled_round_ms=s["round_ms"], busy_ms=s["busy_ms"],
                       round_ms=plain_ms, context=args.context, k=args.k, command=command, **provenance())
     out = Path(args.out)
@@ -209,6 +237,9 @@ def main(argv=None) -> None:
     print(f"round {plain_ms:.3f} ms unprofiled; profiled {s['round_ms']:.3f} ms: device busy {s['busy_ms']:.3f}, "
           f"idle {s['idle_ms']:.3f} ms ({s['rounds']} rounds)")
     print(table.head(args.top).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    print("unprofiled host ms per round (inclusive), then the critical path's medians:")
+    print(table.dropna(subset=["host_unprofiled_ms"]).sort_values("host_unprofiled_ms", ascending=False)
+          [["label", "host_unprofiled_ms"]].to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     print(f"wrote {name}")
 
 

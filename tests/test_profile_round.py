@@ -73,3 +73,13 @@ def test_the_host_clock_counts_from_the_first_device_round(model, files):
     assert clock.armed and {ROUND, "propose_device", "accept_on_device", "cache.begin", "step record"} <= set(clock)
     assert 0 < clock["accept_on_device"] < clock[ROUND] and clock["propose_device"] < clock[ROUND]
     assert len(g.tokens) == 24
+
+
+def test_the_critical_path_is_read_to_chain_and_chain_to_verify():
+    """Two rounds of calls in order: the intervals from a readback's end to the next chain's start
+    (2 and 4 ms) and from a chain's end to the verify's start (1 and 3 ms); medians 3 and 2."""
+    clock = HostClock()
+    clock.calls = [("readback.read", 0.000, 0.010), ("cache.begin", 0.011, 0.012), ("chain graph", 0.012, 0.013),
+                   ("graphed step", 0.014, 0.016), ("readback.read", 0.016, 0.020), ("chain graph", 0.024, 0.025),
+                   ("graphed step", 0.028, 0.029)]
+    assert clock.critical_path() == pytest.approx({"read -> chain": 3.0, "chain -> verify": 2.0})
