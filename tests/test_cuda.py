@@ -750,12 +750,17 @@ def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch, dra
     write_head(tmp_path / "h.gguf", MTPHead(load_model(target), d2t=d2t, seed=2), sha256_file(target),
                {"command": "test"}, "f32")
     rounds, draft = [], MTPDraft._draft
-    monkeypatch.setattr(MTPDraft, "_draft", lambda self, history, n: rounds.append(draft(self, history, n)) or rounds[-1])
+
+    def recorded(self, history, n):  # read at once: a captured chain's outputs hold until its next replay
+        out = draft(self, history, n)
+        rounds.append(None if out is None else out[0].tolist())
+        return out
+    monkeypatch.setattr(MTPDraft, "_draft", recorded)
     drafted = {}
     for graphs in (False, True):
         rounds.clear()
         g, mtp, _, _ = t.run_mtp(m, (target, tmp_path / "h.gguf"), step=GraphedModel(m), head_graphs=graphs)
-        drafted[graphs] = (g.tokens, [r[0].tolist() for r in rounds if r is not None])
+        drafted[graphs] = (g.tokens, [r for r in rounds if r is not None])
     assert drafted[True] == drafted[False] and len(drafted[True][1]) > 4
     # warm-up captured each feed width (1..5) once, and a round's feed + 4 draft steps (one graph) per
     # feed width; no round captured
