@@ -4,6 +4,7 @@ rounds), the device's idle time per round, and what the host was doing while the
     python -m experiments.profile_round --target .models/qwen2.5-coder-1.5b.skeleton.gguf \
         --draft .models/qwen2.5-coder-0.5b.skeleton.gguf --context 4096 --k 4
     python -m experiments.profile_round --target .models/qwen2.5-coder-1.5b.skeleton.gguf --mtp random --k 4
+    python -m experiments.profile_round --report results/round/profile/*.csv      # their table (no GPU)
 
 The engine's round functions are wrapped in ``record_function`` labels (``_labels``) for the
 profiled run only. In the trace, every microsecond of the main thread gets its innermost label
@@ -185,11 +186,33 @@ def split_idle(events: list[dict], skip: int = 5) -> tuple[pd.DataFrame, dict]:
     return table, summary
 
 
+WHERE = ("propose_device", "graphed step", "cache.begin", "cache.stage_step", "cache.commit", "upload.send",
+         "accept_on_device", "control.after_step", "step record", "graph launch")
+
+
+def report(paths: list[str]) -> str:
+    """A markdown table of profile_round CSVs: the round, its critical path, unprofiled host ms of
+    the round's main parts (inclusive, per round)."""
+    lines = ["| file (code) | round | read -> chain | chain -> verify | " + " | ".join(WHERE) + " |",
+             "|---" * (4 + len(WHERE)) + "|"]
+    for p in paths:
+        d = pd.read_csv(p).set_index("label")
+        host = d.host_unprofiled_ms
+        cells = [f"{host.get(k, float('nan')):.3f}" for k in WHERE]
+        path = [f"{host.get(f'critical path: {k}', float('nan')):.3f}" for k in ("read -> chain", "chain -> verify")]
+        lines.append(f"| `{Path(p).name}` | {d.round_ms.iloc[0]:.3f} | " + " | ".join(path + cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = round_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--top", type=int, default=20, help="labels printed")
     ap.add_argument("--trace", help="also write the trace's events here (gzipped JSON) for another look")
+    ap.add_argument("--report", nargs="+", metavar="CSV", help="print the table of written CSVs (no GPU)")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return
     if args.target is None or (args.draft is None) == (args.mtp is None):
         ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
     if not torch.cuda.is_available():
