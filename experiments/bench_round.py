@@ -130,6 +130,19 @@ def round_config(args, model) -> GenerateConfig:
                           ignore_eos=True, spec=spec)
 
 
+def load_round(ap: argparse.ArgumentParser, args, tool: str):
+    """(target on CUDA in bf16, its tokenizer, a seeded random prompt of ``args.context`` tokens),
+    after checking the options (one drafter) and that there is a GPU."""
+    if args.target is None or (args.draft is None) == (args.mtp is None):
+        ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{tool} CUDA graphs and device rounds: it needs a GPU")
+    reader = open_gguf(args.target)
+    model, tok = load_model(reader, torch.bfloat16, "cuda"), Tokenizer.from_gguf(reader)
+    prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    return model, tok, prompt
+
+
 def main(argv=None) -> None:
     ap = round_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--report", nargs="+", metavar="CSV", help="print the table of written CSVs (no GPU)")
@@ -137,13 +150,7 @@ def main(argv=None) -> None:
     if args.report:
         print(report(args.report))
         return
-    if args.target is None or (args.draft is None) == (args.mtp is None):
-        ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_round times CUDA graphs and device rounds: it needs a GPU")
-    reader = open_gguf(args.target)
-    model, tok = load_model(reader, torch.bfloat16, "cuda"), Tokenizer.from_gguf(reader)
-    prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    model, tok, prompt = load_round(ap, args, "bench_round times")
     base = round_config(args, model)
     rows = []
     for device_rounds in (False, True, False, True):  # twice each, interleaved: the second pair is reported

@@ -37,8 +37,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments.bench_round import round_arguments, round_config, tag
+from experiments.bench_round import load_round, round_arguments, round_config, tag
 from experiments.common import provenance
+from kvstream.config import EngineConfig
+from kvstream.engine.runner import run_decode
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 ROUND = "round.run"
@@ -213,19 +215,7 @@ def main(argv=None) -> None:
     if args.report:
         print(report(args.report))
         return
-    if args.target is None or (args.draft is None) == (args.mtp is None):
-        ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_round traces CUDA graphs and device rounds: it needs a GPU")
-    from kvstream.config import EngineConfig
-    from kvstream.engine.runner import run_decode
-    from kvstream.model.loader import open_gguf
-    from kvstream.model.qwen import load_model
-    from kvstream.model.tokenizer import Tokenizer
-
-    reader = open_gguf(args.target)
-    model, tok = load_model(reader, torch.bfloat16, "cuda"), Tokenizer.from_gguf(reader)
-    prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    model, tok, prompt = load_round(ap, args, "profile_round traces")
     cfg = replace(round_config(args, model), engine=EngineConfig(device_rounds=True))
     plain = run_decode(cfg, model, tok, prompt)  # unprofiled: the round's own time, and every graph warm
     plain_ms = 1e3 * float(np.median([r.step_s for r in plain.generation.records if r.verify_width == 1 + args.k][5:]))
