@@ -97,13 +97,14 @@ class _DeviceRound:
         self.batch = PinnedUpload(torch.zeros(1 + n_max, dtype=torch.long, device=device))
         self.readbacks: dict[int, Readback] = {}
         self.device = device
+        # a round's three marks, made once: read within the round, so the next one may record them again
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else None
 
-    def _mark(self):
+    def _mark(self, i: int):
         if not self.cuda:
             return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
+        self.events[i].record()
+        return self.events[i]
 
     @staticmethod
     def _between(a, b) -> float:
@@ -113,14 +114,13 @@ class _DeviceRound:
         """(kept tokens, valid draft tokens, draft seconds, verify seconds) of one round, or None
         when the chain drafts on the host this round. A drafter that reads the target's hidden
         states (an MTP head) gets the kept rows' (``observe``)."""
-        t0 = self._mark()
+        t0 = self._mark(0)
         drafted = chain.propose_device(history, n)
         if drafted is None:
             return None
         tokens, valid = drafted
-        t1 = self._mark()
-        stage = self.batch.stage()
-        stage[0] = history[-1]
+        t1 = self._mark(1)
+        self.batch.stage().numpy()[0] = history[-1]
         self.batch.send()
         batch = self.batch.dst[:1 + n]
         batch[1:].copy_(tokens)
@@ -130,7 +130,7 @@ class _DeviceRound:
         logits, h = out if hidden else (out, None)
         rb = self.readbacks.get(n) or self.readbacks.setdefault(n, Readback(self.device, (2 * n + 3,), torch.long))
         rb.start(accept_on_device(logits, tokens, valid, sampler, alpha))
-        t2 = self._mark()
+        t2 = self._mark(2)
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
         winner.read_device_round(toks, n_valid)
