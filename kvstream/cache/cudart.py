@@ -95,6 +95,10 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
         raise RuntimeError(f"cudaMemcpy2DAsync of {rows} rows x {width} bytes failed with CUDA error {err}")
 
 
+# the current stream's handle without building a Stream object (a private call: the public one if it goes)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst = src for two contiguous tensors of one size in bytes, one ``cudaMemcpyAsync`` on the
     current stream: what a non-blocking ``copy_`` from pinned memory does, without the
@@ -103,7 +107,8 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.nbytes != src.nbytes or not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError(f"copy_async needs two contiguous tensors of one size, got {dst.nbytes} and {src.nbytes} "
                          f"bytes, contiguous {dst.is_contiguous()} and {src.is_contiguous()}")
-    stream = torch._C._cuda_getCurrentRawStream((dst if dst.is_cuda else src).device.index)
+    index = (dst if dst.is_cuda else src).device.index
+    stream = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
     err = _runtime().cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), dst.nbytes, _DEFAULT, stream)
     if err:
         raise RuntimeError(f"cudaMemcpyAsync of {dst.nbytes} bytes failed with CUDA error {err}")
