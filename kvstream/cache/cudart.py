@@ -99,15 +99,28 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def available() -> bool:
+    """Whether this process's CUDA runtime can be called directly (``_runtime`` finds it)."""
+    try:
+        _runtime()
+        return True
+    except (RuntimeError, AssertionError):  # (AssertionError: a torch built without CUDA)
+        return False
+
+
 def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst = src for two contiguous tensors of one size in bytes, one ``cudaMemcpyAsync`` on the
     current stream: what a non-blocking ``copy_`` from pinned memory does, without the
     dispatcher and the host allocator's event (a round's small staging copies: ~20 us each
-    through ``copy_`` on the H200's host)."""
+    through ``copy_`` on the H200's host). ``src`` must outlive the copy: nothing holds it for
+    the caller (``PinnedUpload``'s buffers live as long as it, and their reuse waits on its events)."""
     if dst.nbytes != src.nbytes or not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError(f"copy_async needs two contiguous tensors of one size, got {dst.nbytes} and {src.nbytes} "
                          f"bytes, contiguous {dst.is_contiguous()} and {src.is_contiguous()}")
     index = (dst if dst.is_cuda else src).device.index
+    if index != torch.cuda.current_device():  # the runtime call runs on the current device: make it dst's
+        with torch.cuda.device(index):
+            return copy_async(dst, src)
     stream = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
     err = _runtime().cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), dst.nbytes, _DEFAULT, stream)
     if err:

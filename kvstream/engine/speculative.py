@@ -129,8 +129,9 @@ class _DeviceRound:
         out = model(batch, cache, all_logits=True, hidden=hidden)
         logits, h = out if hidden else (out, None)
         rb = self.readbacks.get(n) or self.readbacks.setdefault(n, Readback(self.device, (2 * n + 3,), torch.long))
-        rb.start(accept_on_device(logits, tokens, valid, sampler, alpha))
-        t2 = self._mark(2)
+        result = accept_on_device(logits, tokens, valid, sampler, alpha)
+        t2 = self._mark(2)  # before the readback's own event: done when the read returns, so readable
+        rb.start(result)
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
         winner.read_device_round(toks, n_valid)
