@@ -1,4 +1,4 @@
-"""``cudaMemcpy2DAsync``, ``cudaMemcpyAsync``, ``cudaMalloc`` / ``cudaFree`` and the graph calls that read and set a
+"""``cudaMemcpy2DAsync``, ``cudaMalloc`` / ``cudaFree`` and the graph calls that read and set a
 captured graph's memcpy nodes, from the CUDA runtime torch has loaded (through ctypes).
 
 torch copies into a strided pinned host view (one page of every layer of the host store)
@@ -62,9 +62,6 @@ def _runtime() -> ctypes.CDLL:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                            ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
             fn.restype = ctypes.c_int
-            lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                            ctypes.c_void_p]
-            lib.cudaMemcpyAsync.restype = ctypes.c_int
             lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
             lib.cudaFree.argtypes = [ctypes.c_void_p]
             p = ctypes.c_void_p
@@ -93,38 +90,6 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
     err = _runtime().cudaMemcpy2DAsync(d, dpitch, s, spitch, width, rows, _DEFAULT, stream.cuda_stream)
     if err:
         raise RuntimeError(f"cudaMemcpy2DAsync of {rows} rows x {width} bytes failed with CUDA error {err}")
-
-
-# the current stream's handle without building a Stream object (a private call: the public one if it goes)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def available() -> bool:
-    """Whether this process's CUDA runtime can be called directly (``_runtime`` finds it)."""
-    try:
-        _runtime()
-        return True
-    except (RuntimeError, AssertionError):  # (AssertionError: a torch built without CUDA)
-        return False
-
-
-def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst = src for two contiguous tensors of one size in bytes, one ``cudaMemcpyAsync`` on the
-    current stream: what a non-blocking ``copy_`` from pinned memory does, without the
-    dispatcher and the host allocator's event (a round's small staging copies: ~20 us each
-    through ``copy_`` on the H200's host). ``src`` must outlive the copy: nothing holds it for
-    the caller (``PinnedUpload``'s buffers live as long as it, and their reuse waits on its events)."""
-    if dst.nbytes != src.nbytes or not (dst.is_contiguous() and src.is_contiguous()):
-        raise ValueError(f"copy_async needs two contiguous tensors of one size, got {dst.nbytes} and {src.nbytes} "
-                         f"bytes, contiguous {dst.is_contiguous()} and {src.is_contiguous()}")
-    index = (dst if dst.is_cuda else src).device.index
-    if index != torch.cuda.current_device():  # the runtime call runs on the current device: make it dst's
-        with torch.cuda.device(index):
-            return copy_async(dst, src)
-    stream = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
-    err = _runtime().cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), dst.nbytes, _DEFAULT, stream)
-    if err:
-        raise RuntimeError(f"cudaMemcpyAsync of {dst.nbytes} bytes failed with CUDA error {err}")
 
 
 def device_malloc(nbytes: int) -> int:
