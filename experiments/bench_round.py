@@ -16,9 +16,11 @@ an MTP head (a GGUF, or ``random``: seeded random weights made for the target, w
 ``--draft-vocab`` rows of its LM head); a round's drafting is then a feed of the k + 1 kept
 rows and k - 1 one-row steps, so its parts are verify + feed + (k - 1) x step. ``--alpha``
 below 1 keeps each draft token with that probability (rounds of varying width, as real acceptance
-gives; the parts stay a full round's, a narrower feed costing a little less), ``--cache stream`` runs the studies' cache mode. Writes
-``<out>/round_<context>_k<k>[_mtp][_a<alpha>][_stream].csv`` (one row per arm, with the command
-and provenance).
+gives; the parts stay a full round's, a narrower feed costing a little less), ``--alpha real`` lets
+the target verify (with real weights and ``--prompt review``, the studies' prompt: real acceptance),
+``--cache stream`` runs the studies' cache mode. Writes
+``<out>/round_<context>_k<k>[_mtp][_a<alpha>][_stream][_review].csv`` (one row per arm, with the
+command and provenance).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from experiments.common import provenance
+from experiments.common import provenance, review_prompt
 from kvstream.config import (ArenaConfig, CacheConfig, DraftConfig, EngineConfig, GenerateConfig, Hardware, ModelSource,
                              MTPConfig, SpecConfig)
 from kvstream.engine.graphs import GraphedModel
@@ -101,18 +103,35 @@ def round_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
     ap.add_argument("--new", type=int, default=400, help="tokens decoded per arm")
-    ap.add_argument("--alpha", type=float, default=1.0,
-                    help="synthetic acceptance: each draft token kept with this probability (1: every round k + 1 tokens)")
+    ap.add_argument("--alpha", type=acceptance, default=1.0,
+                    help="synthetic acceptance: each draft token kept with this probability (1: every round k + 1 "
+                         "tokens); 'real': the target verifies (real weights: with --prompt review)")
+    ap.add_argument("--prompt", default="random", choices=["random", "review"],
+                    help="seeded random tokens, or the studies' review prompt (stdlib code, then an instruction)")
     ap.add_argument("--cache", default="resident", choices=["resident", "stream"],
                     help="the target's cache mode (stream: the studies' setting; with arena auto nothing streams)")
     ap.add_argument("--out", default="results/round")
     return ap
 
 
+INSTRUCTION = "Write pytest unit tests for the code above."  # --prompt review: the MTP studies' (results/mtp_h200_k_1.5b)
+
+
+def acceptance(text: str) -> float | None:
+    """``--alpha``: a probability, or 'real' (None: the target verifies)."""
+    if text == "real":
+        return None
+    a = float(text)
+    if not 0.0 <= a <= 1.0:
+        raise argparse.ArgumentTypeError(f"{a}: a probability in [0, 1], or 'real'")
+    return a
+
+
 def tag(args) -> str:
     """A run's file-name part: context, k, the drafter, and the options off their defaults."""
-    return (f"{args.context}_k{args.k}{'_mtp' if args.mtp else ''}" + (f"_a{args.alpha:g}" if args.alpha != 1 else "")
-            + ("_stream" if args.cache != "resident" else ""))
+    alpha = "" if args.alpha == 1 else "_areal" if args.alpha is None else f"_a{args.alpha:g}"
+    return (f"{args.context}_k{args.k}{'_mtp' if args.mtp else ''}{alpha}" + ("_stream" if args.cache != "resident" else "")
+            + ("_review" if args.prompt != "random" else ""))
 
 
 def round_config(args, model) -> GenerateConfig:
@@ -131,7 +150,8 @@ def round_config(args, model) -> GenerateConfig:
 
 
 def load_round(ap: argparse.ArgumentParser, args, tool: str):
-    """(target on CUDA in bf16, its tokenizer, a seeded random prompt of ``args.context`` tokens),
+    """(target on CUDA in bf16, its tokenizer, a prompt of ``args.context`` tokens: seeded random, or
+    ``--prompt review``),
     after checking the options (one drafter) and that there is a GPU."""
     if args.target is None or (args.draft is None) == (args.mtp is None):
         ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
@@ -139,6 +159,8 @@ def load_round(ap: argparse.ArgumentParser, args, tool: str):
         raise SystemExit(f"{tool} CUDA graphs and device rounds: it needs a GPU")
     reader = open_gguf(args.target)
     model, tok = load_model(reader, torch.bfloat16, "cuda"), Tokenizer.from_gguf(reader)
+    if args.prompt == "review":
+        return model, tok, review_prompt(tok, args.context, INSTRUCTION)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     return model, tok, prompt
 

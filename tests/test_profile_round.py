@@ -83,3 +83,20 @@ def test_the_critical_path_is_read_to_chain_and_chain_to_verify():
                    ("graphed step", 0.014, 0.016), ("readback.read", 0.016, 0.020), ("chain graph", 0.024, 0.025),
                    ("graphed step", 0.028, 0.029)]
     assert clock.critical_path() == pytest.approx({"read -> chain": 3.0, "chain -> verify": 2.0})
+
+
+def test_round_options_name_their_files_and_refuse_bad_acceptance():
+    """``--alpha real`` is the target's own verification (None), a probability otherwise; the file
+    name says every option off its default, so runs of different settings never share a CSV."""
+    import argparse
+
+    from experiments.bench_round import round_arguments, tag
+
+    ap = round_arguments(argparse.ArgumentParser())
+    base = ["--target", "t.gguf", "--mtp", "random"]
+    assert tag(ap.parse_args(base)) == "4096_k4_mtp"
+    real = ap.parse_args(base + ["--alpha", "real", "--prompt", "review", "--k", "2"])
+    assert real.alpha is None and tag(real) == "4096_k2_mtp_areal_review"
+    assert tag(ap.parse_args(base + ["--alpha", "0.5", "--cache", "stream"])) == "4096_k4_mtp_a0.5_stream"
+    with pytest.raises(SystemExit):  # argparse's one-line error: not a probability
+        ap.parse_args(base + ["--alpha", "1.5"])
