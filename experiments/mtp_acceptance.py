@@ -39,10 +39,11 @@ from kvstream.model.registry import resolve_model, sha256_file
 from kvstream.model.tokenizer import Tokenizer
 
 
-def forward(model, tokens: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's pass over ``tokens`` after the cache's rows: (logits [n, V], pre-norm hidden [n, d])."""
+def forward(model, tokens: torch.Tensor, cache, features=True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's pass over ``tokens`` after the cache's rows: (logits [n, V], the states ``features``
+    names [n, F x d]: ``Qwen.body``'s ``hidden``)."""
     pos = cache.begin(tokens.shape[0])
-    logits, h = model.body(tokens, pos, cache, all_logits=True, hidden=True)
+    logits, h = model.body(tokens, pos, cache, all_logits=True, hidden=features)
     cache.commit()
     return logits, h
 
@@ -64,7 +65,7 @@ def mtp_greedy(model, head, prompt: list[int], new: int, k: int) -> tuple[list[i
     """Greedy decoding with the head drafting k tokens a round: (tokens, accepted drafts per round)."""
     dev, n = model.device, len(prompt)
     cache, kv = model.new_cache(n + new + k + 1), head.new_cache(n + new + 2 * k + 1)
-    logits, h = forward(model, torch.tensor(prompt, device=dev), cache)
+    logits, h = forward(model, torch.tensor(prompt, device=dev), cache, head.features)
     head.step(h[:-1], torch.tensor(prompt[1:], device=dev), torch.arange(1, n, device=dev), kv)  # catch up
     out = [int(logits[-1].argmax())]
     # the rows the head has not seen: (target state at p - 1, token at p)
@@ -75,7 +76,7 @@ def mtp_greedy(model, head, prompt: list[int], new: int, k: int) -> tuple[list[i
         draft = head.draft(rows_h, rows_t, rows_p, k, kv)
         kv.truncate(before + rows_t.shape[0])  # the drafted rows carry the head's own states: recomputed below
         start = cache.length
-        logits, h = forward(model, torch.cat((torch.tensor(out[-1:], device=dev), draft)), cache)
+        logits, h = forward(model, torch.cat((torch.tensor(out[-1:], device=dev), draft)), cache, head.features)
         top = logits.argmax(-1)
         a = int((top[:k] == draft).long().cumprod(0).sum())
         kept = draft[:a].tolist() + [int(top[a])]
@@ -94,7 +95,7 @@ def step_costs(model, head, context: int, k: int) -> dict:
     tokens = torch.randint(0, model.cfg.vocab_size, (context + k + 1,), device=dev)
     cache = model.new_cache(context + k + 1)
     forward(model, tokens[:context], cache)
-    h = torch.randn(1, model.cfg.hidden, device=dev, dtype=model.dtype)
+    h = torch.randn(1, head.feature_dim, device=dev, dtype=model.dtype)
     kv = head.new_cache(context + 1)
     kv.length = context  # rows past the prompt are never read back: only the shapes matter for timing
 

@@ -6,7 +6,9 @@
 Data: ``seq_len``-token sequences of the Python sources of this interpreter (kvstream.eval.corpus),
 train / held-out split by file; the run's ``steps x batch`` training sequences are tokenized up front,
 in an order fixed by the seed. Each sequence: the target's forward pass under no_grad gives its
-next-token distributions and pre-norm hidden states (the target is never trained); the head runs k
+next-token distributions and the hidden states the head reads (``features``: the stream after its
+last block, or several streams that the head fuses, EAGLE-3's low / middle / high; the target is never
+trained); the head runs k
 unrolled draft steps over it (``MTPHead.unroll``, EAGLE-3's training-time test) and the loss is the
 mean over steps of KL(target || head), each row of step s against the target's distribution at the
 position it predicts. With a draft vocabulary the target's distribution is restricted to those N
@@ -41,7 +43,8 @@ from kvstream.eval.corpus import ROOTS, python_sources, split_files, token_seque
 from kvstream.model.loader import open_gguf
 from kvstream.model.mtp import MTPHead
 from kvstream.model.mtp_gguf import OUT_TYPES, write_head
-from kvstream.model.qwen import Qwen, load_model
+from kvstream.model.qwen import Qwen, eagle3_features, load_model
+from kvstream.model.qwen import features as features_checked
 from kvstream.model.registry import resolve_model, sha256_file
 from kvstream.model.tokenizer import Tokenizer
 
@@ -66,6 +69,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     unroll: int = 4
     ffn: int | None = None
+    features: str = "last"  # the target states the head reads: last | eagle3 | block indices "2,14,25"
     draft_vocab: int = 0
     seed: int = 0
     eval_every: int = 100
@@ -90,6 +94,7 @@ class TrainConfig:
             raise ValueError(f"held_out={self.held_out}: the held-out fraction of files, in (0, 1)")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab={self.draft_vocab}: a number of tokens, or 0 for the full vocabulary")
+        feature_layers(self.features, None)  # the form; the indices against the target at the start
         if self.out_type not in OUT_TYPES:
             raise ValueError(f"out_type={self.out_type!r}; choose one of {', '.join(OUT_TYPES)}")
 
@@ -101,16 +106,35 @@ class TrainConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_THE_RUN}
 
 
-def target_pass(target: Qwen, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [T] -> the target's logits [T, vocab] (float32) and pre-norm hidden states [T, d]."""
+def feature_layers(spec: str, n_layers: int | None) -> tuple[int, ...] | None:
+    """``features``: "last" (None: the stream after the last block, EAGLE-1 / DeepSeek-V3's MTP),
+    "eagle3" (the streams entering blocks 2, n / 2 and n - 3), or comma-separated block indices
+    (0..n_layers; n_layers: after the last block). ``n_layers`` None: the form only."""
+    if spec == "last":
+        return None
+    if spec == "eagle3":
+        if n_layers is None:
+            return None
+        taps = eagle3_features(n_layers)
+    else:
+        try:
+            taps = tuple(int(i) for i in str(spec).split(","))
+        except ValueError:
+            raise ValueError(f"features={spec!r}: last, eagle3, or comma-separated block indices such as 2,14,25") from None
+    return taps if n_layers is None else features_checked(n_layers, taps)
+
+
+def target_pass(target: Qwen, tokens: torch.Tensor, features: bool | tuple[int, ...] = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [T] -> the target's logits [T, vocab] (float32) and the states the head reads [T, F x d]
+    (True: the stream after the last block; a tuple: the streams entering those blocks)."""
     cache = target.new_cache(tokens.shape[0])
     with torch.no_grad():
-        return target.body(tokens, cache.begin(tokens.shape[0]), cache, all_logits=True, hidden=True)
+        return target.body(tokens, cache.begin(tokens.shape[0]), cache, all_logits=True, hidden=features)
 
 
 def sequence_loss(head: MTPHead, target: Qwen, tokens: torch.Tensor, k: int, amp) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean over the k steps of KL(target || head), head-target top-1 agreement per step [k])."""
-    t_logits, h = target_pass(target, tokens)
+    t_logits, h = target_pass(target, tokens, head.features)
     with torch.no_grad():
         p_log = F.log_softmax(t_logits if head.d2t is None else t_logits[:, head.d2t], -1)
         t_top = t_logits.argmax(-1)
@@ -171,7 +195,7 @@ def train(cfg: TrainConfig, command: str = "") -> dict:
     seqs = token_sequences(train_files, tok.encode, cfg.seq_len, cfg.steps * cfg.batch, tok.eos_id)
     held = token_sequences(held_files, tok.encode, cfg.seq_len, cfg.eval_seqs, tok.eos_id)
     d2t = draft_vocabulary(seqs, cfg.draft_vocab, target.cfg.vocab_size) if cfg.draft_vocab else None
-    head = MTPHead(target, cfg.ffn, d2t, seed=cfg.seed).to(dev)
+    head = MTPHead(target, cfg.ffn, d2t, seed=cfg.seed, features=feature_layers(cfg.features, target.cfg.n_layers)).to(dev)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s))
     step, curve, ckpt = 0, [], cfg.ckpt_path

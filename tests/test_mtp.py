@@ -30,9 +30,9 @@ def target(target_path):
     return load_model(target_path)
 
 
-def random_head(target, ffn=None, d2t=None) -> MTPHead:
+def random_head(target, ffn=None, d2t=None, features=None) -> MTPHead:
     """A head whose every weight is random (norms and biases too, unlike a fresh head's ones and zeros)."""
-    head = MTPHead(target, ffn, d2t, seed=1)
+    head = MTPHead(target, ffn, d2t, seed=1, features=features)
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() == 1:
@@ -96,14 +96,34 @@ def test_forward_returns_the_hidden_states_beside_the_logits(target):
     assert torch.equal(h, target.body(tokens, c.begin(12), c, all_logits=True, hidden=True)[1])
 
 
-@pytest.mark.parametrize("n_draft", [None, 50])
-def test_unroll_equals_the_drafting_chain(target, n_draft):
+def test_body_taps_the_streams_entering_the_named_blocks(target):
+    """``hidden`` as block indices: the residual streams entering those blocks, side by side in
+    the order given; index 0 is the embedding, n_layers the stream True gives (after the last
+    block); the logits do not change. Indices outside 0..n_layers, or repeated, are refused."""
+    from kvstream.model.weights import embedding
+    n, L = 12, target.cfg.n_layers
+    tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(5))
+    logits, last = target_pass(target, tokens, True)
+    logits2, h = target_pass(target, tokens, (L, 0, 1))
+    d = target.cfg.hidden
+    assert torch.equal(logits2, logits) and h.shape == (n, 3 * d)
+    assert torch.equal(h[:, :d], last) and torch.equal(h[:, d:2 * d], embedding(tokens, target.embed, target.dtype))
+    # the stream entering block 1 = the embedding + block 0's attention and FFN: neither end
+    assert not torch.equal(h[:, 2 * d:], h[:, d:2 * d]) and not torch.equal(h[:, 2 * d:], last)
+    for bad in ((L + 1,), (-1,), (1, 1), ()):
+        with pytest.raises(ValueError, match="block indices"):
+            target_pass(target, tokens, bad)
+
+
+@pytest.mark.parametrize("n_draft,features", [(None, None), (50, None), (None, (1, 2))])
+def test_unroll_equals_the_drafting_chain(target, n_draft, features):
     """Row i of unrolled step s = the logits of step s of a drafting chain from position i: the
-    cache holds the step-1 rows 0..i (true target features), then the chain's own rows."""
+    cache holds the step-1 rows 0..i (true target features), then the chain's own rows. With
+    several target streams (EAGLE-3) the first step fuses them, later steps read their own state."""
     d2t = None if n_draft is None else torch.arange(0, 2 * n_draft, 2)
-    head, T, k = random_head(target, d2t=d2t), 24, 4
+    head, T, k = random_head(target, d2t=d2t, features=features), 24, 4
     tokens = torch.randint(0, target.cfg.vocab_size, (T,))
-    _, h = target_pass(target, tokens)
+    _, h = target_pass(target, tokens, head.features)
     with torch.no_grad():
         unrolled = head.unroll(h, tokens, k)
         assert [u.shape[0] for u in unrolled] == [T - s for s in range(1, k + 1)]
@@ -169,12 +189,14 @@ def test_gguf_round_trip_is_exact(trained, target, target_path, tmp_path):
     assert meta["train.tokens_seen"] == 300 * 2 * 64 and meta["train.seed"] == 0 and meta["draft_vocab_size"] == 0
     assert meta["vocab_size"] == target.cfg.vocab_size and meta["feed_forward_length"] == target.cfg.ffn
     # with a draft vocabulary, and written again: bit-identical tensors and file
+    assert tuple(meta["feature_layers"]) == (target.cfg.n_layers,) and head.fc is None
     d2t = torch.arange(3, 120, 3)
-    other = random_head(target, ffn=40, d2t=d2t)
+    other = random_head(target, ffn=40, d2t=d2t, features=(0, 2))  # EAGLE-3's form: fc fuses two streams
     train = {"command": "cmd", "corpus": "", "tokens_seen": 7, "steps": 1, "seed": 2}
     sha = write_head(tmp_path / "h.gguf", other, "ab" * 32, train, out_type="f32")
     back, meta = load_head(tmp_path / "h.gguf", target, "ab" * 32)
     assert meta["draft_vocab_size"] == len(d2t) and meta["train.corpus"] == "-" and torch.equal(back.d2t, d2t) and back.ffn == 40
+    assert back.features == (0, 2) and back.fc.shape == (target.cfg.hidden, 2 * target.cfg.hidden)
     for name, p in other.state_dict().items():
         assert torch.equal(back.state_dict()[name], p), name
     assert write_head(tmp_path / "h2.gguf", back, "ab" * 32, train, out_type="f32") == sha
@@ -209,3 +231,20 @@ def test_config_composes():
     with initialize_config_module("conf", version_base=None):
         cfg = to_typed(compose("train_mtp", overrides=["hardware=cpu", "steps=10", "draft_vocab=32768"]), TrainConfig)
     assert cfg.steps == 10 and cfg.draft_vocab == 32768 and cfg.hardware.dtype == "float32" and cfg.unroll == 4
+
+
+def test_a_head_reading_several_target_streams_trains_and_is_written(target_path, tmp_path):
+    """``features``: "last" (the default head), "eagle3" (blocks 2, n / 2, n - 3: here the 2-layer
+    target's n - 3 is out of range, so refused in one line naming the indices), or indices; a head
+    trained on two streams lowers its loss and its GGUF records them."""
+    from experiments.train_mtp import feature_layers
+    assert feature_layers("last", 28) is None and feature_layers("eagle3", 28) == (2, 14, 25)
+    assert feature_layers("0,2", None) == (0, 2)
+    with pytest.raises(ValueError, match="last, eagle3, or comma-separated"):
+        config(target_path, tmp_path, features="low")
+    with pytest.raises(ValueError, match=r"\[2, 1, -1\].*0..2"):
+        feature_layers("eagle3", 2)
+    result = train(config(target_path, tmp_path, steps=30, eval_every=30, features="0,2"), command="features")
+    assert result["curve"][-1]["heldout_loss"] < result["curve"][0]["heldout_loss"]
+    head, meta = load_head(result["gguf"], load_model(target_path), sha256_file(target_path))
+    assert tuple(meta["feature_layers"]) == (0, 2) == head.features and head.fc is not None

@@ -84,6 +84,20 @@ def test_greedy_with_an_mtp_head_equals_plain_decoding(model, files, plain, devi
     assert mtp.cache.length == mtp.committed and 0 <= cache.length - mtp.cache.length <= 1 + 4
 
 
+@pytest.mark.parametrize("device_rounds", [False, True])
+def test_a_head_reading_several_target_streams_drafts_losslessly(model, files, plain, tmp_path, device_rounds):
+    """An EAGLE-3-style head (the streams entering blocks 1 and n_layers, fused): the engine hands it
+    those streams from every pass (prefill chunks, verify batches, the states kept while ejected:
+    an eject and re-enable mid-run), and the tokens stay plain decoding's."""
+    head = MTPHead(model, seed=3, features=(1, model.cfg.n_layers))
+    path = tmp_path / "eagle3.gguf"
+    write_head(path, head, sha256_file(files[0]), {"command": "test", "tokens_seen": 0}, "f32")
+    g, mtp, control, cache = run_mtp(model, (files[0], path), policy=Scripted(at=3, back=8), device_rounds=device_rounds)
+    assert g.tokens == plain and mtp.wants_hidden == (1, model.cfg.n_layers) and mtp.stats.drafts > 0
+    assert [t.action for t in control.transitions] == ["eject", "reenable"]
+    assert mtp.cache.length == mtp.committed  # its KV caught up with every committed row after the re-enable
+
+
 def test_the_head_lives_in_the_arena_and_an_eject_gives_its_bytes_to_the_pages(model, files, plain):
     """Pinned: its own weights and its KV pages are views into the target's arena, and they count
     against the pages the target can keep resident; an eject and a re-enable mid-run leave the

@@ -53,9 +53,10 @@ def sync_device(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def prefill(model, cache, prompt: list[int], chunk: int, observe=None) -> torch.Tensor:
+def prefill(model, cache, prompt: list[int], chunk: int, observe=None, hidden=True) -> torch.Tensor:
     """Run the prompt through the model in chunks of ``chunk`` tokens; return the last logits [vocab].
-    ``observe(h, next_tokens, start)``: each chunk's hidden states (an MTP head's rows)."""
+    ``observe(h, next_tokens, start)``: each chunk's hidden states (an MTP head's rows; ``hidden``:
+    which, as ``Qwen.body`` takes it)."""
     if not prompt:
         raise ValueError("the prompt is empty: at least one token is needed to start decoding")
     if chunk < 1:
@@ -65,18 +66,18 @@ def prefill(model, cache, prompt: list[int], chunk: int, observe=None) -> torch.
         if observe is None:
             logits = model(ids[lo:lo + chunk], cache)
         else:
-            logits, h = model(ids[lo:lo + chunk], cache, hidden=True)
+            logits, h = model(ids[lo:lo + chunk], cache, hidden=hidden)
             observe(h, prompt[lo + 1:lo + chunk + 1], lo)
     return logits[-1]
 
 
-def prefill_phase(model, cache, prompt: list[int], chunk: int, observe=None) -> tuple[torch.Tensor, float]:
-    """The prefill phase, timed: the prompt in chunks (``observe``: as ``prefill``), then the
+def prefill_phase(model, cache, prompt: list[int], chunk: int, observe=None, hidden=True) -> tuple[torch.Tensor, float]:
+    """The prefill phase, timed: the prompt in chunks (``observe``, ``hidden``: as ``prefill``), then the
     cache switches to decode. Returns the last logits [vocab] and the seconds it took (device
     synchronised)."""
     sync_device(model.device)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, prompt, chunk, observe)
+    logits = prefill(model, cache, prompt, chunk, observe, hidden)
     cache.set_phase("decode")
     sync_device(model.device)
     return logits, time.perf_counter() - t0

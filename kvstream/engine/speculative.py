@@ -184,14 +184,18 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     queued = None  # (cache length before it, its logits, its hidden states or None): a plain step queued ahead
     length_policy = length_policy or Fixed(n_max)
     watchers = [s for s in chain if getattr(s, "wants_hidden", False)]  # speculators fed the target's states
+    # which states (Qwen.body's ``hidden``: the streams an MTP head reads): one pass serves every watcher
+    features = watchers[0].wants_hidden if watchers else False
+    if any(s.wants_hidden != features for s in watchers):
+        raise ValueError(f"speculators read different target states: {[s.wants_hidden for s in watchers]}")
     observe = (lambda h, toks, start: [s.observe(h, toks, start) for s in watchers]) if watchers else None
-    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk, observe)
+    logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk, observe, features)
     t0 = time.perf_counter()
     chain.begin(prompt)  # a draft model reads the prompt here: part of the prefill phase
     sync_device(dev)
     prefill_s += time.perf_counter() - t0
     # verify widths (with the hidden states where a speculator reads them)
-    warm_s = warm_up(model, cache, [(w, True, bool(watchers)) for w in range(1, n_max + 2)], chain.warm)
+    warm_s = warm_up(model, cache, [(w, True, features) for w in range(1, n_max + 2)], chain.warm)
     t1 = time.perf_counter()
     emit = on_token or (lambda t: None)
     out = [int(sampler(logits))]
@@ -231,15 +235,14 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
                 (start, logits, h_round, stats), queued = queued, None
             else:
                 # an ejected MTP head reads the states too: a re-enable catches its KV up from them
-                hidden = bool(watchers)
-                res = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True, hidden=hidden)
-                logits, h_round = res if hidden else (res, None)
+                res = model(torch.tensor([out[-1]] + draft, device=dev), cache, all_logits=True, hidden=features)
+                logits, h_round = res if watchers else (res, None)
                 stats = cache.stats  # this step's (a queued next step gets its own)
             if ahead and plain and len(out) + 1 < max_new_tokens:
                 tok = sampler(logits[0])  # what accept() samples for a round without a draft, kept on the device
                 readback.start(tok)
                 at = cache.length
-                res = model(tok.view(1), cache, all_logits=True, hidden=bool(watchers))  # the next round's step
+                res = model(tok.view(1), cache, all_logits=True, hidden=features)  # the next round's step
                 queued = (at, *(res if watchers else (res, None)), cache.stats)
                 kept = [int(readback.read())]
                 if h_round is not None:

@@ -5,9 +5,10 @@
     logits = lm_head(out_norm(g))                               # the target's own tensors, shared
 
 ``h_t`` is the target's residual stream after its last block, before its final norm
-(``Qwen.body(..., hidden=True)``); ``x_{t+1}`` sits at position t+1 and the head predicts the token
-after it. Drafting chains: step j+1 reads step j's ``g`` and the token step j drafted, one position
-further on. The block has Qwen2's q/k/v biases and RoPE with the target's ``inv_freq``; its FFN
+(``Qwen.body(..., hidden=True)``), or (``features``, EAGLE-3) the streams entering several of its
+blocks side by side, which ``fc`` (F x d -> d) fuses into one d-vector first; ``x_{t+1}`` sits at
+position t+1 and the head predicts the token after it. Drafting chains: step j+1 reads step j's ``g`` (d values: no fusion) and the token step j
+drafted, one position further on. The block has Qwen2's q/k/v biases and RoPE with the target's ``inv_freq``; its FFN
 width is a knob. ``embed``, ``out_norm``, ``lm_head`` and ``inv_freq`` are the target's tensors
 (never copied, never trained, not in the state dict).
 
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from kvstream.cache.contiguous import ContiguousCache
 from kvstream.model.layer_ops import LayerOps
-from kvstream.model.qwen import Qwen
+from kvstream.model.qwen import Qwen, features as feature_taps
 from kvstream.model.weights import Q8, embedding, linear
 
 
@@ -58,16 +59,21 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
 class MTPHead(torch.nn.Module):
     """The head's own weights (parameters) and views of the target's shared tensors."""
 
-    def __init__(self, target: Qwen, ffn: int | None = None, d2t: torch.Tensor | None = None, seed: int = 0):
+    def __init__(self, target: Qwen, ffn: int | None = None, d2t: torch.Tensor | None = None, seed: int = 0,
+                 features: tuple[int, ...] | None = None):
         super().__init__()
         c = target.cfg
         if c.arch != "qwen2":
             raise ValueError(f"the MTP head is built for qwen2 targets (q/k/v biases, no q/k norms), not {c.arch}")
         self.cfg, self.ffn = c, ffn or c.ffn
+        # the target's streams it reads (``Qwen.body``'s ``hidden``): the last by default
+        self.features = feature_taps(c.n_layers, tuple(features) if features else True)
         d, H, KVH, D = c.hidden, c.n_heads, c.n_kv_heads, c.head_dim
         g = torch.Generator().manual_seed(seed)
         mat = lambda rows, cols: torch.nn.Parameter(torch.randn(rows, cols, generator=g) / cols ** 0.5)
         ones = lambda n: torch.nn.Parameter(torch.ones(n))
+        # several streams: fused to d values before the input norm (EAGLE-3's fc)
+        self.fc = mat(d, len(self.features) * d) if len(self.features) > 1 else None
         self.enorm, self.hnorm, self.eh_proj = ones(d), ones(d), mat(d, 2 * d)
         self.attn_norm, self.wqkv = ones(d), mat((H + 2 * KVH) * D, d)
         self.bqkv = torch.nn.Parameter(torch.zeros((H + 2 * KVH) * D))
@@ -97,6 +103,11 @@ class MTPHead(torch.nn.Module):
         return own + (0 if self.d2t is None else self.lm_rows.nbytes)
 
     @property
+    def feature_dim(self) -> int:
+        """Values per row of the target's states the head reads: d per tapped stream."""
+        return len(self.features) * self.cfg.hidden
+
+    @property
     def draft_vocab(self) -> int:
         return self.lm_rows.shape[0]
 
@@ -120,9 +131,14 @@ class MTPHead(torch.nn.Module):
         return ops.add_rms_norm(x, w, self.cfg.rms_eps, delta)
 
     def _input(self, h: torch.Tensor, tokens: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """h: the target's features [n, feature_dim] (fused by ``fc`` when several) or a step's own
+        output [n, d] (never fused): told apart by their width."""
         dt = self.eh_proj.dtype
         e = embedding(tokens, self.embed, dt).to(dt)
-        return F.linear(torch.cat((self._norm(e, self.enorm, ops)[1], self._norm(h.to(dt), self.hnorm, ops)[1]), -1),
+        h = h.to(dt)
+        if self.fc is not None and h.shape[-1] != self.cfg.hidden:
+            h = F.linear(h, self.fc)
+        return F.linear(torch.cat((self._norm(e, self.enorm, ops)[1], self._norm(h, self.hnorm, ops)[1]), -1),
                         self.eh_proj)
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor, ops: LayerOps):
@@ -149,7 +165,7 @@ class MTPHead(torch.nn.Module):
         return ContiguousCache(1, c.n_kv_heads, c.head_dim, max_tokens, dtype or self.eh_proj.dtype, self.eh_proj.device)
 
     def step(self, h: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [n, d] (target pre-norm states, or the previous step's output), tokens [n] at positions
+        """h [n, feature_dim] (the target's states) or [n, d] (the previous step's output), tokens [n] at positions
         pos [n] int64 (the rows continue ``kv``) -> (logits [n, draft_vocab], h_out [n, d]).
         Appends n rows to ``kv``; each row attends to the cache's rows and the new ones up to its own."""
         kv.begin(tokens.shape[0])
@@ -182,7 +198,7 @@ class MTPHead(torch.nn.Module):
     # ---- training ----------------------------------------------------------------------------------
 
     def unroll(self, h: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
-        """Training-time test over one sequence: h [T, d] target pre-norm states of tokens [T] ->
+        """Training-time test over one sequence: h [T, feature_dim] the target's states of tokens [T] ->
         for s = 1..k, logits [T - s, draft_vocab]; row i of step s predicts the token after position
         i + s, having been fed tokens[i + s] and the step s - 1 output of its chain (step 1: h[i])."""
         T, ks, vs, out = tokens.shape[0], [], [], []

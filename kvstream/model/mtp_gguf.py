@@ -12,11 +12,13 @@ its usual block names for the one decoder block; torch shapes as [rows, cols]):
     blk.0.ffn_norm.weight        [d]
     blk.0.ffn_{gate,up}.weight   [ffn, d], blk.0.ffn_down.weight [d, ffn]
     nextn.d2t                    [N] int32  draft-vocabulary row -> target token id (only when truncated)
+    blk.0.nextn.fc.weight        [d, F*d]  fuses the F target streams it reads (only when F > 1, EAGLE-3)
 
 The embedding, final norm and LM head are not stored: they are the target's. Metadata
 (``kvstream-mtp.``): ``target_sha256``, ``vocab_size``, ``embedding_length``, ``head_count``,
 ``head_count_kv``, ``key_length``, ``feed_forward_length``, ``draft_vocab_size`` (0: the full
-vocabulary), and what the training app records as ``train.*``: ``command``, ``corpus``,
+vocabulary), ``feature_layers`` (the target blocks whose entering residual streams it reads,
+``Qwen.body``'s ``hidden``; absent in older heads: the last block's output), and what the training app records as ``train.*``: ``command``, ``corpus``,
 ``tokens_seen``, ``steps``, ``seed``. Norms and biases are stored F32, matrices in ``out_type``
 (f32 | f16 | bf16). (An empty string is written as "-": gguf's writer drops empty strings.)
 """
@@ -53,6 +55,8 @@ def head_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
     t |= {p + f"attn_{n}.weight": w for n, w in zip("qkv", head.wqkv.split(split))}
     t |= {p + f"attn_{n}.bias": b for n, b in zip("qkv", head.bqkv.split(split))}
     t |= {p + "ffn_gate.weight": head.w_gate_up[:head.ffn], p + "ffn_up.weight": head.w_gate_up[head.ffn:]}
+    if head.fc is not None:
+        t[p + "nextn.fc.weight"] = head.fc
     return {name: w.detach().float().cpu() for name, w in t.items()}
 
 
@@ -69,6 +73,7 @@ def write_head(path: str | os.PathLike, head: MTPHead, target_sha256: str, train
                      ("draft_vocab_size", 0 if head.d2t is None else head.draft_vocab)):
         w.add_uint32(k + key, val)
     w.add_string(k + "target_sha256", target_sha256)
+    w.add_array(k + "feature_layers", list(head.features))
     for key, val in train.items():
         w.add_uint64(k + "train." + key, val) if isinstance(val, int) else w.add_string(k + "train." + key, str(val) or "-")
     for name, t in head_tensors(head).items():
@@ -105,7 +110,8 @@ def load_head(path: str | os.PathLike, target: Qwen, target_sha256: str,
                            f"the given target's sha256 is {target_sha256}")
     by_name = {t.name: t for t in reader.tensors}
     d2t = torch.from_numpy(np.array(by_name["nextn.d2t"].data)) if "nextn.d2t" in by_name else None
-    head = MTPHead(target, meta["feed_forward_length"], d2t)
+    taps = meta.get("feature_layers")
+    head = MTPHead(target, meta["feed_forward_length"], d2t, features=tuple(int(i) for i in taps) if taps else None)
     stored = {name: torch.from_numpy(np.array(dequantize(by_name[name].data, by_name[name].tensor_type),
                                               dtype=np.float32)) for name in head_tensors(head)}
     p = "blk.0."
@@ -116,5 +122,7 @@ def load_head(path: str | os.PathLike, target: Qwen, target_sha256: str,
              "wo": stored[p + "attn_output.weight"], "ffn_norm": stored[p + "ffn_norm.weight"],
              "w_gate_up": torch.cat([stored[p + "ffn_gate.weight"], stored[p + "ffn_up.weight"]]),
              "w_down": stored[p + "ffn_down.weight"]}
+    if head.fc is not None:
+        state["fc"] = stored[p + "nextn.fc.weight"]
     head.load_state_dict(state)
     return head.to(device=target.device, dtype=dtype or target.dtype), meta

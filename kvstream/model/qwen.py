@@ -22,6 +22,26 @@ from kvstream.model.loader import ModelConfig, load_weights, open_gguf, read_con
 from kvstream.model.weights import MATRICES, WEIGHT_FORMATS, Q8, embedding, flat, linear, unflat
 
 
+def features(n_layers: int, hidden: bool | tuple[int, ...]) -> tuple[int, ...]:
+    """The blocks whose entering residual streams ``body(hidden=...)`` returns: () for False, the
+    stream after the last block (index ``n_layers``) for True, else ``hidden`` itself, checked."""
+    if hidden is False or hidden is None:
+        return ()
+    if hidden is True:
+        return (n_layers,)
+    taps = tuple(int(i) for i in hidden)
+    if not taps or any(not 0 <= i <= n_layers for i in taps) or len(set(taps)) != len(taps):
+        raise ValueError(f"hidden features {list(hidden)}: distinct block indices in 0..{n_layers} "
+                         f"(the stream entering that block; {n_layers}: after the last)")
+    return taps
+
+
+def eagle3_features(n_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high features as SGLang and vLLM tap them: the streams entering
+    blocks 2, n / 2 and n - 3."""
+    return (2, n_layers // 2, n_layers - 3)
+
+
 @dataclass
 class Layer:
     """One block's weights. Q/K/V and gate/up are stored fused (one matmul each instead of three
@@ -103,7 +123,8 @@ class Qwen:
 
     def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
         """tokens [n] (int64, on the model's device) -> logits [n, vocab] or [1, vocab] (the last);
-        with ``hidden``, (logits, h): h the rows' residual stream before the final norm (``body``).
+        with ``hidden``, (logits, h): h the rows' residual stream before the final norm, or at the
+        blocks ``hidden`` names (``body``).
 
         The cache stores the n new K/V rows; positions continue from its current length.
         """
@@ -117,13 +138,19 @@ class Qwen:
             return out
         return tuple(t.clone() for t in out) if hidden else out.clone()
 
-    def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
+    def body(self, tokens: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool = False,
+             hidden: bool | tuple[int, ...] = False):
         """The device side of ``forward`` between ``cache.begin`` and ``cache.commit``: no host
         decisions, no host syncs, so a decode step can be captured as a CUDA graph. ``hidden``:
         return ``(logits, h)`` with h every row's residual stream before the final norm (an MTP
-        head's input), the logits the last row's unless ``all_logits``."""
+        head's input), the logits the last row's unless ``all_logits``. A tuple of block indices
+        instead: h the residual streams entering those blocks, side by side ([n, len x hidden];
+        index ``n_layers``: after the last block, what True gives; EAGLE-3's low / middle / high
+        features: ``features``)."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_eps
         n = tokens.shape[0]
+        taps = features(cfg.n_layers, hidden)
+        tapped = {}
         cache.start_step()
         angles = ops.angles(pos, self.inv_freq, self.dtype, self.rope_scale)
         x, delta = embedding(tokens, self.embed, self.dtype), None
@@ -131,6 +158,8 @@ class Qwen:
         qk_width = (H + cfg.n_kv_heads) * D
         for i, L in enumerate(self.layers):
             x, h = ops.add_rms_norm(x, L.attn_norm, eps, delta)  # the previous block's residual add too
+            if i in taps:  # the stream entering block i
+                tapped[i] = x
             qkv = linear(h, L.wqkv, L.bqkv)
             # q and k heads side by side: one RoPE over both
             qk = qkv[:, :qk_width].view(n, -1, D)
@@ -144,9 +173,12 @@ class Qwen:
         if not all_logits and not hidden:
             x, delta = x[-1:], delta[-1:]
         x, h = ops.add_rms_norm(x, self.out_norm, eps, delta)
+        tapped[cfg.n_layers] = x
         logits = linear(h if all_logits else h[-1:], self.lm_head).float()
         cache.end_step()
-        return (logits, x) if hidden else logits
+        if not taps:
+            return logits
+        return logits, tapped[taps[0]] if len(taps) == 1 else torch.cat([tapped[i] for i in taps], -1)
 
     __call__ = forward
 

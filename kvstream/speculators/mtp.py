@@ -63,7 +63,7 @@ class HeadStep:
         c = head.cfg
         self.head, self.cfg = head, c
         self.device, self.dtype = head.eh_proj.device, head.eh_proj.dtype
-        self.h_in = torch.zeros(MAX_N_Q, c.hidden, dtype=self.dtype, device=self.device)
+        self.h_in = torch.zeros(MAX_N_Q, head.feature_dim, dtype=self.dtype, device=self.device)
         self.rows = self.h_in
         self.offset = torch.ones((), dtype=torch.long, device=self.device)
 
@@ -82,13 +82,14 @@ class MTPDraft(Speculator):
     """Drafts with an MTP head; ``pin``/``eject`` move its weights and KV in and out of an arena."""
 
     name = "mtp"
-    wants_hidden = True  # the engine passes it the target's hidden states (``observe``)
 
     def __init__(self, head: MTPHead, device: str | torch.device, *, max_tokens: int, type_k: str = "f16",
                  type_v: str = "f16", p_min: float = 0.0, n_min: int = 0, graphs: bool = False,
                  max_width: int = MAX_N_Q):
         super().__init__()
         self.head, self.device = head, torch.device(device)
+        # the target's states the engine passes it (``observe``): the streams its head reads (Qwen.body's hidden)
+        self.wants_hidden = head.features
         self.graphs = graphs and self.device.type == "cuda"  # its steps of up to MAX_N_Q rows replay captured graphs
         self.max_width = max_width  # the widest feed of a round (1 + spec.n_max): what warm() captures
         self._step, self._graphed, self._graphed_at = HeadStep(head), None, None
@@ -105,8 +106,8 @@ class MTPDraft(Speculator):
         self.enabled = False  # until pinned
         self.committed = 0  # rows of the head's KV that are committed history (positions 1..committed)
         self._rows: tuple[torch.Tensor, list[int], int] | None = None  # (h, next tokens, first position): not yet fed
-        c = head.cfg  # the target's states (its dtype: the shared final norm's) seen while ejected, on the host
-        self._backlog = HostRows(c.hidden, head.out_norm.dtype, pin=self.device.type == "cuda")
+        # the target's states (its dtype: the shared final norm's) seen while ejected, on the host
+        self._backlog = HostRows(head.feature_dim, head.out_norm.dtype, pin=self.device.type == "cuda")
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0
         # a round's feed and draft steps as one graph per (feed width, draft length) (``_run_chain``)
@@ -158,7 +159,7 @@ class MTPDraft(Speculator):
     # ---- the target's rows --------------------------------------------------------------
 
     def observe(self, h: torch.Tensor, tokens: list[int], start: int) -> None:
-        """Committed target rows: ``h`` [m, d] the pre-norm states at positions start..start+m-1,
+        """Committed target rows: ``h`` [m, feature_dim] their states at positions start..start+m-1,
         ``tokens`` the m tokens at positions start+1.. (the last may be the one just sampled).
         Their KV rows are made at the next round (prefill chunks: at once, all but the last).
         Ejected (after a first pin), the states go to the host, and the first round after the
