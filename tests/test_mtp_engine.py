@@ -261,3 +261,12 @@ def test_a_rounds_feed_and_draft_steps_are_one_pass_of_the_heads_cache(model, fi
     assert len(first) == 2 and first[0] > CHAIN_ROWS - n and first[1] == n, first  # wide feed, then the chain
     for passes, n in rest:
         assert len(passes) == 1 and n <= passes[0] <= CHAIN_ROWS, passes  # the fed rows and n - 1 steps
+
+
+def test_the_slabs_hold_the_hidden_states_a_head_reads(model):
+    """A target whose passes also return an MTP head's states needs room for them in both phases'
+    compute slabs (measured by reserve passes on CUDA, from the shapes here): more for more streams."""
+    cc = CacheConfig(mode="resident")
+    plain, last, three = (phase_slabs(cc, model, 1024, CHUNK, 5, hidden=h) for h in (False, True, (0, 1, 2)))
+    for phase in ("prefill", "decode"):
+        assert plain[phase] < last[phase] < three[phase], (phase, plain, last, three)

@@ -11,6 +11,7 @@ from policies.residency import RESIDENCY
 from kvstream.cache.arena import MIB, Arena, ArenaPlan, pair_bytes
 from kvstream.cache.contiguous import ContiguousCache
 from kvstream.config import ArenaConfig, CacheConfig
+from kvstream.model.qwen import features
 from kvstream.cache.paged import PagedCache
 from kvstream.cache.slab_pool import SlabPool
 
@@ -44,8 +45,9 @@ def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, rin
 
 def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k: str = "q8_0",
                  type_v: str = "q4_0", ring_pages: int | None = None, all_logits: bool = False,
-                 step_logits: tuple[bool, ...] = (False, True)) -> int:
-    """Bytes of compute buffers one forward pass of ``n_tokens`` needs (the phase's peak).
+                 step_logits: tuple[bool, ...] = (False, True), hidden=False) -> int:
+    """Bytes of compute buffers one forward pass of ``n_tokens`` needs (the phase's peak);
+    ``hidden``: with the hidden states it returns beside the logits (``Qwen.body``: an MTP head's).
 
     On CUDA reserve passes measure it: the real forward pass through a one-layer scratch paged
     cache of the same page types and ring (``None``: automatic, one round) near the end of a
@@ -75,7 +77,8 @@ def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k:
                 for n, end, every in batch:
                     scratch.length = end - n
                     pos = scratch.begin(n)
-                    outs.append(model.body(torch.zeros(n, dtype=torch.long, device=model.device), pos, scratch, every))
+                    outs.append(model.body(torch.zeros(n, dtype=torch.long, device=model.device), pos, scratch, every,
+                                           hidden))
                     scratch.commit()
             del outs
             torch.cuda.synchronize()
@@ -83,6 +86,7 @@ def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k:
             peak = max(peak, meter.peak)
         return peak
     width = 3 * c.hidden + (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + 3 * c.ffn
+    width += 2 * len(features(c.n_layers, hidden)) * c.hidden  # the tapped streams and their concatenation
     return n_tokens * width * model.dtype.itemsize + c.vocab_size * 4  # logits of the last token
 
 
@@ -95,19 +99,21 @@ def paged_bytes(cfg, type_k: str, type_v: str, max_tokens: int, slab: int, ring_
 
 
 def phase_slabs(cache: CacheConfig, model, max_tokens: int, prefill_chunk: int, verify_width: int = 1,
-                all_logits: bool = False) -> dict[str, int]:
+                all_logits: bool = False, hidden=False) -> dict[str, int]:
     """The compute slab of each phase (``reserve_slab``) for a cache of ``max_tokens`` tokens."""
     ring = cache.ring_slots
     return slabs_for(model, prefill_chunk, verify_width, max_tokens=max_tokens, type_k=cache.type_k,
-                     type_v=cache.type_v, ring_pages=ring if cache.mode == "stream" else 0, all_logits=all_logits)
+                     type_v=cache.type_v, ring_pages=ring if cache.mode == "stream" else 0, all_logits=all_logits,
+                     hidden=hidden)
 
 
 def slabs_for(model, prefill_chunk: int, verify_width: int, *, max_tokens: int, type_k: str, type_v: str,
               ring_pages: int | None = 0, all_logits: bool = False,
-              step_logits: tuple[bool, ...] = (False, True)) -> dict[str, int]:
+              step_logits: tuple[bool, ...] = (False, True), hidden=False) -> dict[str, int]:
     """{"prefill": slab of ``prefill_chunk``-token passes, "decode": of passes up to
-    ``verify_width`` tokens (``reserve_slab``)}, through a paged cache of these page types and ring."""
-    kv = dict(max_tokens=max_tokens, type_k=type_k, type_v=type_v, ring_pages=ring_pages)
+    ``verify_width`` tokens (``reserve_slab``)}, through a paged cache of these page types and ring;
+    ``hidden``: passes that also return those hidden states (an MTP head reads them)."""
+    kv = dict(max_tokens=max_tokens, type_k=type_k, type_v=type_v, ring_pages=ring_pages, hidden=hidden)
     slabs = {"prefill": reserve_slab(model, min(prefill_chunk, max_tokens), all_logits=all_logits, **kv),
              "decode": reserve_slab(model, min(verify_width, max_tokens), step_logits=step_logits, **kv)}
     if model.device.type == "cuda":
@@ -120,7 +126,7 @@ def slabs_for(model, prefill_chunk: int, verify_width: int, *, max_tokens: int, 
 
 def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, prefill_chunk: int,
                verify_width: int = 1, pinned_bytes: int = 0, all_logits: bool = False,
-               slabs: dict[str, int] | None = None):
+               slabs: dict[str, int] | None = None, hidden=False):
     """The cache ``cache.mode`` names for ``max_tokens`` tokens. The phases' compute slabs are
     reserved for ``prefill_chunk`` tokens (prefill; ``all_logits``: with every token's logits,
     as perplexity asks) and ``verify_width`` tokens (decode: 1 + the most draft tokens a verify
@@ -134,7 +140,7 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
     if cache.mode == "contiguous":
         return ContiguousCache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, model.dtype, model.device)
     ring = cache.ring_slots
-    slabs = slabs or phase_slabs(cache, model, max_tokens, prefill_chunk, verify_width, all_logits)
+    slabs = slabs or phase_slabs(cache, model, max_tokens, prefill_chunk, verify_width, all_logits, hidden)
     slab = max(slabs.values())
     if arena.mib == "auto":  # room for every page of the context: nothing needs to stream
         ring_pages = (ring or 2) if cache.mode == "stream" else 0

@@ -105,8 +105,10 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
                               graphs=graphs, max_width=1 + spec.n_max)
     chain = build_chain(spec.type, options) if speculating else None
     pinned = next((chain.get(n) for n in ("draft", "mtp") if n in options), None)  # the one pinned drafter
+    # the target's passes return the hidden states an MTP head reads: their buffers are in the slabs
+    hidden = chain.get("mtp").wants_hidden if "mtp" in options else False
     cache = make_cache(cfg.cache, cfg.arena, model, max_tokens, cfg.prefill_chunk,
-                       verify_width=1 + spec.n_max if speculating else 1,
+                       verify_width=1 + spec.n_max if speculating else 1, hidden=hidden,
                        # only an automatic arena sizes itself around the draft (on CUDA the estimate
                        # measures the draft's slabs with its weights on the device for a moment)
                        pinned_bytes=pinned.estimated_bytes() if pinned is not None and cfg.arena.mib == "auto" else 0)
