@@ -190,6 +190,8 @@ def main(argv=None) -> None:
     res = run_decode(cfg, model, tok, prompt)
     verify = step_ms(GraphedModel(model), res.cache, 1 + args.k)
     if args.mtp:  # the head's feed of the k + 1 kept rows, then k - 1 one-row steps
+        # (both timed on the target's states: for a head that fuses several streams the one-row step
+        # includes its fc, which a chained step skips; an upper bound)
         head = res.chain.get("mtp")
         feed, draft_step = (step_ms(head.step, head.cache, w, hidden=True) for w in (1 + args.k, 1))
         floor = verify + feed + (args.k - 1) * draft_step

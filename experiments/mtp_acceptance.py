@@ -94,15 +94,16 @@ def step_costs(model, head, context: int, k: int) -> dict:
     dev = model.device
     tokens = torch.randint(0, model.cfg.vocab_size, (context + k + 1,), device=dev)
     cache = model.new_cache(context + k + 1)
-    forward(model, tokens[:context], cache)
-    h = torch.randn(1, head.feature_dim, device=dev, dtype=model.dtype)
+    forward(model, tokens[:context], cache, head.features)
+    # a chained step's input (the step before's output: d values, no fusion of the target's streams)
+    h = torch.randn(1, model.cfg.hidden, device=dev, dtype=model.dtype)
     kv = head.new_cache(context + 1)
     kv.length = context  # rows past the prompt are never read back: only the shapes matter for timing
 
     def target(width):
         def fn():
             cache.length = context
-            forward(model, tokens[context:context + width], cache)
+            forward(model, tokens[context:context + width], cache, head.features)
         return fn
 
     pos = torch.tensor([context], device=dev)

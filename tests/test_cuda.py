@@ -118,8 +118,9 @@ def test_graphed_decode_is_bit_identical_to_eager(tmp_path, mode, ring, pages):
     assert graphed.captures == 1 if mode == "resident" else graphed.captures >= 1
 
 
-def test_graphed_steps_return_the_hidden_states_an_mtp_head_reads(tmp_path):
-    """``hidden=True`` through a captured step (a verify batch, streaming): (logits, h) equal the
+@pytest.mark.parametrize("hidden", [True, (1, 2)], ids=["last stream", "two streams (EAGLE-3)"])
+def test_graphed_steps_return_the_hidden_states_an_mtp_head_reads(tmp_path, hidden):
+    """``hidden`` through a captured step (a verify batch, streaming): (logits, h) equal the
     eager pass's bit for bit, and the logits equal a step without ``hidden``'s."""
     import test_paged_cache as t
     from kvstream.engine.graphs import GraphedModel
@@ -134,14 +135,15 @@ def test_graphed_steps_return_the_hidden_states_an_mtp_head_reads(tmp_path):
         with torch.inference_mode():
             for _ in range(3):  # capture, then replays
                 n = cache.length
-                logits, h = step(batch, cache, all_logits=True, hidden=True)
+                logits, h = step(batch, cache, all_logits=True, hidden=hidden)
                 cache.truncate(n)
                 plain = step(batch, cache, all_logits=True)
                 cache.truncate(n)
         out.append((logits, h, plain))
         del step
     (a, ha, pa), (b, hb, pb) = out
-    assert h.shape == (5, t.SPEC.hidden) and torch.equal(a, b) and torch.equal(ha, hb) and torch.equal(pa, a)
+    width = t.SPEC.hidden * (1 if hidden is True else len(hidden))
+    assert h.shape == (5, width) and torch.equal(a, b) and torch.equal(ha, hb) and torch.equal(pa, a)
 
 
 @pytest.mark.parametrize("ring", [12, 40])
@@ -714,7 +716,8 @@ def test_no_cache_copies_on_the_capture_stream(tmp_path):
         assert t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8).copier.stream.cuda_stream != side
 
 
-def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path):
+@pytest.mark.parametrize("features", [None, (1, 2)], ids=["last stream", "two streams (EAGLE-3)"])
+def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path, features):
     """spec.type=mtp on CUDA: captured verify steps with their hidden states, device rounds, the
     head pinned in the arena: the tokens equal plain decoding's."""
     import test_mtp_engine as t
@@ -725,15 +728,17 @@ def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path):
 
     target = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
     m = load_model(target, torch.float32, "cuda")
-    write_head(tmp_path / "h.gguf", MTPHead(load_model(target), seed=2), sha256_file(target), {"command": "test"}, "f32")
+    write_head(tmp_path / "h.gguf", MTPHead(load_model(target), seed=2, features=features), sha256_file(target),
+               {"command": "test"}, "f32")
     cache = t.make_cache(t.CacheConfig(mode="resident"), t.ArenaConfig(), m, 1024, t.CHUNK)
     plain = generate(m, cache, t.PROMPT, t.NEW, Sampler(t.GREEDY, "cuda"), prefill_chunk=t.CHUNK).tokens
     g, mtp, _, cache = t.run_mtp(m, (target, tmp_path / "h.gguf"), device_rounds=True, step=GraphedModel(m))
     assert g.tokens == plain and mtp.stats.drafts > 0
 
 
-@pytest.mark.parametrize("draft_vocab", [False, True], ids=["full vocabulary", "draft vocabulary"])
-def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch, draft_vocab):
+@pytest.mark.parametrize("draft_vocab, features", [(False, None), (True, None), (False, (1, 2))],
+                         ids=["full vocabulary", "draft vocabulary", "two streams (EAGLE-3)"])
+def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch, draft_vocab, features):
     """MTPDraft(graphs=True): a round's feed and draft steps replay one captured graph (one capture
     per feed width, at the warm-up; wider feeds: a graph per width), and every round drafts the
     eager head's tokens (the same kernels on the same bytes)."""
@@ -747,8 +752,8 @@ def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch, dra
     target = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
     m = load_model(target, torch.float32, "cuda")
     d2t = torch.arange(0, m.cfg.vocab_size, 2) if draft_vocab else None  # (its index is captured: a 1-element tensor)
-    write_head(tmp_path / "h.gguf", MTPHead(load_model(target), d2t=d2t, seed=2), sha256_file(target),
-               {"command": "test"}, "f32")
+    write_head(tmp_path / "h.gguf", MTPHead(load_model(target), d2t=d2t, seed=2, features=features),
+               sha256_file(target), {"command": "test"}, "f32")
     rounds, draft = [], MTPDraft._draft
 
     def recorded(self, history, n):  # read at once: a captured chain's outputs hold until its next replay

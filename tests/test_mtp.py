@@ -248,3 +248,42 @@ def test_a_head_reading_several_target_streams_trains_and_is_written(target_path
     assert result["curve"][-1]["heldout_loss"] < result["curve"][0]["heldout_loss"]
     head, meta = load_head(result["gguf"], load_model(target_path), sha256_file(target_path))
     assert tuple(meta["feature_layers"]) == (0, 2) == head.features and head.fc is not None
+
+
+def test_heads_written_before_feature_layers_load_and_a_missing_fc_is_named(target, tmp_path):
+    """A GGUF without ``feature_layers`` (heads written before it) loads as a head of the last
+    stream; one that lists several streams but lacks ``fc`` is refused in one line naming it."""
+    from gguf import GGUFReader, GGUFWriter
+    from kvstream.model.loader import GGUFError
+
+    def copy(src, dst, drop_key=None, drop_tensor=None):
+        r, w = GGUFReader(src), GGUFWriter(str(dst), "kvstream-mtp")
+        for key, f in r.fields.items():
+            if key.startswith("kvstream-mtp.") and key != drop_key:
+                val = f.contents()
+                (w.add_array if isinstance(val, list) else w.add_string if isinstance(val, str) else w.add_uint64)(key, val)
+        for t in r.tensors:
+            if t.name != drop_tensor:
+                w.add_tensor(t.name, np.array(t.data))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    import numpy as np
+    old, fused = tmp_path / "old.gguf", tmp_path / "fused.gguf"
+    write_head(tmp_path / "a.gguf", random_head(target), "ab" * 32, {"command": "c"}, out_type="f32")
+    copy(tmp_path / "a.gguf", old, drop_key="kvstream-mtp.feature_layers")
+    head, meta = load_head(old, target, "ab" * 32)
+    assert "feature_layers" not in meta and head.features == (target.cfg.n_layers,) and head.fc is None
+    write_head(tmp_path / "b.gguf", random_head(target, features=(0, 2)), "ab" * 32, {"command": "c"}, out_type="f32")
+    copy(tmp_path / "b.gguf", fused, drop_tensor="blk.0.nextn.fc.weight")
+    with pytest.raises(GGUFError, match=r"fused.gguf: the head's tensors \['blk.0.nextn.fc.weight'\] are missing"):
+        load_head(fused, target, "ab" * 32)
+
+
+def test_the_head_refuses_input_rows_of_another_width(target):
+    head = random_head(target, features=(0, 2))
+    kv = head.new_cache(8)
+    with pytest.raises(ValueError, match=f"input rows are 7 wide.*{2 * target.cfg.hidden}.*{target.cfg.hidden}"):
+        head.step(torch.zeros(1, 7), torch.zeros(1, dtype=torch.long), torch.tensor([1]), kv)

@@ -42,6 +42,17 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def eagle3_files(files, tmp_path_factory):
+    """The target and a random head that reads two of its streams (EAGLE-3's form): entering block 1
+    and after the last block."""
+    target = load_model(files[0])
+    head = MTPHead(target, seed=3, features=(1, target.cfg.n_layers))
+    path = tmp_path_factory.mktemp("eagle3") / "head.gguf"
+    write_head(path, head, sha256_file(files[0]), {"command": "test", "tokens_seen": 0}, "f32")
+    return files[0], path
+
+
+@pytest.fixture(scope="module")
 def model(files):
     return load_model(files[0])
 
@@ -85,17 +96,26 @@ def test_greedy_with_an_mtp_head_equals_plain_decoding(model, files, plain, devi
 
 
 @pytest.mark.parametrize("device_rounds", [False, True])
-def test_a_head_reading_several_target_streams_drafts_losslessly(model, files, plain, tmp_path, device_rounds):
+def test_a_head_reading_several_target_streams_drafts_losslessly(model, eagle3_files, plain, device_rounds):
     """An EAGLE-3-style head (the streams entering blocks 1 and n_layers, fused): the engine hands it
     those streams from every pass (prefill chunks, verify batches, the states kept while ejected:
-    an eject and re-enable mid-run), and the tokens stay plain decoding's."""
-    head = MTPHead(model, seed=3, features=(1, model.cfg.n_layers))
-    path = tmp_path / "eagle3.gguf"
-    write_head(path, head, sha256_file(files[0]), {"command": "test", "tokens_seen": 0}, "f32")
-    g, mtp, control, cache = run_mtp(model, (files[0], path), policy=Scripted(at=3, back=8), device_rounds=device_rounds)
+    an eject and re-enable mid-run), and the tokens stay plain decoding's (that its drafts are the
+    head's own chain over those streams: the next test's EAGLE-3 case)."""
+    g, mtp, control, cache = run_mtp(model, eagle3_files, policy=Scripted(at=3, back=8), device_rounds=device_rounds)
     assert g.tokens == plain and mtp.wants_hidden == (1, model.cfg.n_layers) and mtp.stats.drafts > 0
     assert [t.action for t in control.transitions] == ["eject", "reenable"]
     assert mtp.cache.length == mtp.committed  # its KV caught up with every committed row after the re-enable
+
+
+def test_an_mtp_draft_refuses_states_of_other_streams(model, eagle3_files):
+    """Rows of the last stream handed to a head that reads two would pass for its own chained
+    states: ``observe`` refuses them, naming the streams to pass."""
+    from kvstream.cache.arena import Arena
+    from kvstream.engine.runner import mtp_head
+    mtp = MTPDraft(mtp_head(str(eagle3_files[1]), model, str(eagle3_files[0])), "cpu", max_tokens=1024)
+    mtp.pin(Arena(64 * MIB, "cpu"))
+    with pytest.raises(ValueError, match=rf"streams \(1, {model.cfg.n_layers}\).*rows of {model.cfg.hidden}: pass hidden="):
+        mtp.observe(torch.zeros(3, model.cfg.hidden), [1, 2, 3], 0)
 
 
 def test_the_head_lives_in_the_arena_and_an_eject_gives_its_bytes_to_the_pages(model, files, plain):
@@ -158,9 +178,11 @@ def test_the_first_draft_is_the_heads_chain_over_the_prompts_rows(model, files):
     assert len(hs) == -(-len(PROMPT) // CHUNK) and got == want.tolist()
 
 
-@pytest.mark.parametrize("policy, run_ahead", [(None, False), ("eject", False), ("eject", True)],
-                         ids=["kept", "ejected and re-enabled", "ejected, plain steps run ahead"])
-def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, files, monkeypatch, policy, run_ahead):
+@pytest.mark.parametrize("policy, run_ahead, eagle3", [(None, False, False), ("eject", False, False),
+                                                     ("eject", True, False), ("eject", False, True)],
+                         ids=["kept", "ejected and re-enabled", "ejected, plain steps run ahead", "EAGLE-3 head"])
+def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, files, eagle3_files, monkeypatch, policy,
+                                                                       run_ahead, eagle3):
     """Each round, not only the first, and after an eject and a re-enable (the rows of the tokens
     decoded while ejected made from the states kept on the host): the draft equals ``MTPHead.draft`` run from scratch over
     every committed row (a fresh dense head cache; the target's hidden states recomputed in one
@@ -177,13 +199,13 @@ def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, fi
 
     monkeypatch.setattr(MTPDraft, "_draft", spy)
     policy = Scripted(at=3, back=12) if policy else None
-    _, mtp, control, _ = run_mtp(model, files, policy=policy, run_ahead=run_ahead)
+    _, mtp, control, _ = run_mtp(model, eagle3_files if eagle3 else files, policy=policy, run_ahead=run_ahead)
     assert len(rounds) >= 8 and [t.action for t in control.transitions] == (["eject", "reenable"] if policy else [])
     for history, got in rounds:
         n = len(history)
         with torch.inference_mode():
             dense = make_cache(CacheConfig(mode="resident"), ArenaConfig(), model, n, CHUNK)
-            _, h = model(torch.tensor(history[:-1]), dense, all_logits=True, hidden=True)
+            _, h = model(torch.tensor(history[:-1]), dense, all_logits=True, hidden=mtp.head.features)
             want = mtp.head.draft(h, torch.tensor(history[1:]), torch.arange(1, n), len(got),
                                   mtp.head.new_cache(n + 8, torch.float32))
         assert got == want.tolist(), (n, got, want.tolist())

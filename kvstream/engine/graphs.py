@@ -64,7 +64,7 @@ class GraphedModel:
     def __getattr__(self, name):  # cfg, device, dtype, ...: the model's
         return getattr(self.model, name)
 
-    def __call__(self, tokens: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
+    def __call__(self, tokens: torch.Tensor, cache, all_logits: bool = False, hidden: bool | tuple[int, ...] = False):
         """As ``Qwen.forward`` (``hidden``: (logits, h), an MTP head's input)."""
         n = tokens.shape[0]
         if n > self.tokens.shape[0] or not hasattr(cache, "plan_key") or cache.recycles(n):

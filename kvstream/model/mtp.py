@@ -5,12 +5,13 @@
     logits = lm_head(out_norm(g))                               # the target's own tensors, shared
 
 ``h_t`` is the target's residual stream after its last block, before its final norm
-(``Qwen.body(..., hidden=True)``), or (``features``, EAGLE-3) the streams entering several of its
-blocks side by side, which ``fc`` (F x d -> d) fuses into one d-vector first; ``x_{t+1}`` sits at
-position t+1 and the head predicts the token after it. Drafting chains: step j+1 reads step j's ``g`` (d values: no fusion) and the token step j
-drafted, one position further on. The block has Qwen2's q/k/v biases and RoPE with the target's ``inv_freq``; its FFN
-width is a knob. ``embed``, ``out_norm``, ``lm_head`` and ``inv_freq`` are the target's tensors
-(never copied, never trained, not in the state dict).
+(``Qwen.body(..., hidden=True)``), or (``features``, EAGLE-3) the streams entering several of
+its blocks side by side, which ``fc`` (F x d -> d) fuses into one d-vector first; ``x_{t+1}``
+sits at position t+1 and the head predicts the token after it. Drafting chains: step j+1 reads
+step j's ``g`` (d values: no fusion) and the token step j drafted, one position further on. The
+block has Qwen2's q/k/v biases and RoPE with the target's ``inv_freq``; its FFN width is a knob.
+``embed``, ``out_norm``, ``lm_head`` and ``inv_freq`` are the target's tensors (never copied,
+never trained, not in the state dict).
 
 Draft vocabulary (optional): ``d2t`` [N], the N most frequent target ids of the training data; the
 head then scores only those rows and ``to_target`` maps its argmax back. Rows picked by an index
@@ -67,7 +68,7 @@ class MTPHead(torch.nn.Module):
             raise ValueError(f"the MTP head is built for qwen2 targets (q/k/v biases, no q/k norms), not {c.arch}")
         self.cfg, self.ffn = c, ffn or c.ffn
         # the target's streams it reads (``Qwen.body``'s ``hidden``): the last by default
-        self.features = feature_taps(c.n_layers, tuple(features) if features else True)
+        self.features = feature_taps(c.n_layers, True if features is None else tuple(features))
         d, H, KVH, D = c.hidden, c.n_heads, c.n_kv_heads, c.head_dim
         g = torch.Generator().manual_seed(seed)
         mat = lambda rows, cols: torch.nn.Parameter(torch.randn(rows, cols, generator=g) / cols ** 0.5)
@@ -136,7 +137,10 @@ class MTPHead(torch.nn.Module):
         dt = self.eh_proj.dtype
         e = embedding(tokens, self.embed, dt).to(dt)
         h = h.to(dt)
-        if self.fc is not None and h.shape[-1] != self.cfg.hidden:
+        if h.shape[-1] not in (self.cfg.hidden, self.feature_dim):
+            raise ValueError(f"the head's input rows are {h.shape[-1]} wide: the target's states it reads are "
+                             f"{self.feature_dim} ({len(self.features)} streams), its own {self.cfg.hidden}")
+        if h.shape[-1] != self.cfg.hidden:
             h = F.linear(h, self.fc)
         return F.linear(torch.cat((self._norm(e, self.enorm, ops)[1], self._norm(h, self.hnorm, ops)[1]), -1),
                         self.eh_proj)

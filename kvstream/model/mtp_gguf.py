@@ -12,14 +12,14 @@ its usual block names for the one decoder block; torch shapes as [rows, cols]):
     blk.0.ffn_norm.weight        [d]
     blk.0.ffn_{gate,up}.weight   [ffn, d], blk.0.ffn_down.weight [d, ffn]
     nextn.d2t                    [N] int32  draft-vocabulary row -> target token id (only when truncated)
-    blk.0.nextn.fc.weight        [d, F*d]  fuses the F target streams it reads (only when F > 1, EAGLE-3)
+    blk.0.nextn.fc.weight        [d, F*d]  fuses the F target streams it reads (F > 1, EAGLE-3)
 
 The embedding, final norm and LM head are not stored: they are the target's. Metadata
 (``kvstream-mtp.``): ``target_sha256``, ``vocab_size``, ``embedding_length``, ``head_count``,
 ``head_count_kv``, ``key_length``, ``feed_forward_length``, ``draft_vocab_size`` (0: the full
 vocabulary), ``feature_layers`` (the target blocks whose entering residual streams it reads,
-``Qwen.body``'s ``hidden``; absent in older heads: the last block's output), and what the training app records as ``train.*``: ``command``, ``corpus``,
-``tokens_seen``, ``steps``, ``seed``. Norms and biases are stored F32, matrices in ``out_type``
+``Qwen.body``'s ``hidden``; absent in older heads: the last block's output), and what the
+training app records as ``train.*``: ``command``, ``corpus``, ``tokens_seen``, ``steps``, ``seed``. Norms and biases are stored F32, matrices in ``out_type``
 (f32 | f16 | bf16). (An empty string is written as "-": gguf's writer drops empty strings.)
 """
 
@@ -110,8 +110,11 @@ def load_head(path: str | os.PathLike, target: Qwen, target_sha256: str,
                            f"the given target's sha256 is {target_sha256}")
     by_name = {t.name: t for t in reader.tensors}
     d2t = torch.from_numpy(np.array(by_name["nextn.d2t"].data)) if "nextn.d2t" in by_name else None
-    taps = meta.get("feature_layers")
-    head = MTPHead(target, meta["feed_forward_length"], d2t, features=tuple(int(i) for i in taps) if taps else None)
+    taps = meta.get("feature_layers")  # absent in heads written before it: the last block's output
+    head = MTPHead(target, meta["feed_forward_length"], d2t, features=None if taps is None else tuple(int(i) for i in taps))
+    missing = [name for name in head_tensors(head) if name not in by_name]
+    if missing:
+        raise GGUFError(f"{path}: the head's tensors {missing} are missing (feature_layers {taps})")
     stored = {name: torch.from_numpy(np.array(dequantize(by_name[name].data, by_name[name].tensor_type),
                                               dtype=np.float32)) for name in head_tensors(head)}
     p = "blk.0."

@@ -121,7 +121,7 @@ class Qwen:
         """The activations' dtype (and the dense weights')."""
         return self._dtype
 
-    def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False, hidden: bool = False):
+    def forward(self, tokens: torch.Tensor, cache, all_logits: bool = False, hidden: bool | tuple[int, ...] = False):
         """tokens [n] (int64, on the model's device) -> logits [n, vocab] or [1, vocab] (the last);
         with ``hidden``, (logits, h): h the rows' residual stream before the final norm, or at the
         blocks ``hidden`` names (``body``).

@@ -7,7 +7,8 @@ gives those bytes back to the target's page pool and a re-enable pins them again
 copy of the weights, the head's KV coming back from its own host store (a resident paged cache:
 every committed row is on the host too).
 
-The head's KV row at position t + 1 is made from the target's pre-norm state at t and the token at
+The head's KV row at position t + 1 is made from the target's states at t (the streams its head
+reads: ``MTPHead.features``) and the token at
 t + 1, so it follows the target: the engine hands it every committed row's hidden state
 (``observe``: prefill chunks, then each round's accepted rows from the verify pass). A round
 drafts ``n`` tokens as a chain: the first step reads the rows committed since the last round, the
@@ -21,7 +22,8 @@ as separate captured steps, a round's feed and 4 steps cost 1.5 ms at 4K on the 
 their device time: ``results/mtp_h200_graphed``). Feeds too wide for one pass (the prompt's last
 chunk) and a re-enable's catch-up run as separate steps, each a graph per width (``HeadStep``
 through ``GraphedModel``).
-While ejected the head still reads the target's states, into host memory (``d`` values a token);
+While ejected the head still reads the target's states, into host memory (``feature_dim`` values a
+token);
 the first round after a re-enable makes their rows, so its KV holds every committed row again,
 like the draft model's catch-up from the tokens.
 """
@@ -164,6 +166,9 @@ class MTPDraft(Speculator):
         Their KV rows are made at the next round (prefill chunks: at once, all but the last).
         Ejected (after a first pin), the states go to the host, and the first round after the
         re-enable makes their rows (``_catch_up``): the head's KV then lacks nothing."""
+        if h.shape[-1] != self.head.feature_dim:  # states of other streams would be read as its own chained ones
+            raise ValueError(f"the MTP head reads the target's streams {self.wants_hidden} ({self.head.feature_dim} "
+                             f"values a row), given rows of {h.shape[-1]}: pass hidden={self.wants_hidden}")
         if not self.enabled or self._backlog:
             if self.cache is not None:
                 self._backlog.add(h, start)
