@@ -144,7 +144,10 @@ def test_ctrl_c_ends_a_sweep_with_one_line(models, tmp_path):
     """SIGINT once a cell is done: one line with the cells done and the resume command, exit 130."""
     cmd = [sys.executable, "-m", "experiments.draft_threshold",
            *study_args(models, tmp_path, "arm=none,keep", "rep=0,1,2,3,4,5", "context=300")]
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT's default action in the sweep whatever this process inherited: a shell starts background
+    # jobs with SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in p.stdout:
         if re.match(r"\[t\] arm=\w+ context=300: ", line):  # a cell's row is written
             break
