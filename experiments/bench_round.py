@@ -134,6 +134,15 @@ def tag(args) -> str:
             + ("_review" if args.prompt != "random" else ""))
 
 
+def write_csv(df: pd.DataFrame, args, kind: str) -> Path:
+    """``df`` as ``<args.out>/<kind>_<tag>.csv``; returns the path."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = out / f"{kind}_{tag(args)}.csv"
+    df.to_csv(name, index=False)
+    return name
+
+
 def round_config(args, model) -> GenerateConfig:
     """The decode both arms run: ``args.k`` draft tokens a round from ``--draft`` or ``--mtp``,
     synthetic acceptance ``args.alpha``, an ``args.cache`` target cache in an automatic arena,
@@ -202,10 +211,7 @@ def main(argv=None) -> None:
     df = pd.DataFrame(rows).assign(verify_ms=verify, feed_ms=feed, draft_step_ms=draft_step, parts_ms=floor,
                                    excess_ms=lambda d: d.round_ms - floor, context=args.context, k=args.k,
                                    command=" ".join(["python -m experiments.bench_round", *sys.argv[1:]]), **provenance())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = out / f"round_{tag(args)}.csv"
-    df.to_csv(name, index=False)
+    name = write_csv(df, args, "round")
     print(f"verify (1 + {args.k}) {verify:.3f} ms, {'' if feed is None else f'feed {feed:.3f} ms, '}"
           f"draft step {draft_step:.3f} ms: parts {floor:.3f} ms")
     for r in df.itertuples():

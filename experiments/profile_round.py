@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments.bench_round import load_round, round_arguments, round_config, tag
+from experiments.bench_round import load_round, round_arguments, round_config, write_csv
 from experiments.common import provenance
 from kvstream.config import EngineConfig
 from kvstream.engine.runner import run_decode
@@ -243,10 +243,7 @@ def main(argv=None) -> None:
                                      for k, v in clock.critical_path().items()])], ignore_index=True)
     df = table.assign(rounds=s["rounds"], profiled_round_ms=s["round_ms"], busy_ms=s["busy_ms"],
                       round_ms=plain_ms, context=args.context, k=args.k, command=command, **provenance())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = out / f"profile_{tag(args)}.csv"
-    df.to_csv(name, index=False)
+    name = write_csv(df, args, "profile")
     print(f"round {plain_ms:.3f} ms unprofiled; profiled {s['round_ms']:.3f} ms: device busy {s['busy_ms']:.3f}, "
           f"idle {s['idle_ms']:.3f} ms ({s['rounds']} rounds)")
     print(table.head(args.top).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
