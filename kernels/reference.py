@@ -256,6 +256,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rope_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+               v_pool: torch.Tensor, slots: torch.Tensor, k_fmt: PageFormat, v_fmt: PageFormat) -> torch.Tensor:
+    """``kernels.rope_store``: qk [n, n_heads + KVH, D] rotated, its K heads and v stored at ``slots``;
+    returns the rotated q heads."""
+    qk = rope(qk, cos, sin)
+    h = k_fmt.n_kv_heads
+    store(k_pool, qk[:, -h:], slots, k_fmt)
+    store(v_pool, v, slots, v_fmt)
+    return qk[:, :-h]
+
+
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     gate, up = gu.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -23,6 +23,24 @@ import triton.language as tl
 
 
 @triton.jit
+def cos_sin(p, inv_freq, scale, dt):
+    """cos and sin of position ``p`` (fp32) times ``inv_freq`` (fp32), times ``scale``, rounded once
+    to the rows' dtype ``dt`` (as fp32 values): the reference's ``rope_angles``."""
+    ang = p * inv_freq
+    return (tl.cos(ang) * scale).to(dt).to(tl.float32), (tl.sin(ang) * scale).to(dt).to(tl.float32)
+
+
+@triton.jit
+def rotate(x, partner, c, s, first, dt):
+    """RoPE of element x (fp32) whose NEOX partner (the other half's element) is ``partner``:
+    x c - partner s in the first half, x c + partner s in the second, each product rounded once
+    to ``dt`` as the reference's torch ops round it (the sum's rounding is the caller's store)."""
+    xc = (x * c).to(dt).to(tl.float32)
+    ps = (partner * s).to(dt).to(tl.float32)
+    return tl.where(first, xc - ps, xc + ps)
+
+
+@triton.jit
 def _rope_kernel(x,         # [n, heads, 2 * HALF], rows and heads strided
                  pos,       # [n] int64
                  inv_freq,  # [HALF] fp32
@@ -33,19 +51,15 @@ def _rope_kernel(x,         # [n, heads, 2 * HALF], rows and heads strided
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, HALF)[None, :]
     m = h < n_heads
-    ang = tl.load(pos + t).to(tl.float32) * tl.load(inv_freq + j)
     src = x + t * token_stride + h * head_stride + j
     x1 = tl.load(src, mask=m, other=0.0)
     x2 = tl.load(src + HALF, mask=m, other=0.0)
-    c = (tl.cos(ang) * scale).to(x1.dtype).to(tl.float32)
-    s = (tl.sin(ang) * scale).to(x1.dtype).to(tl.float32)
-    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     dt = x1.dtype  # one rounding per torch op of the reference
-    o1 = (a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)
-    o2 = (a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)
+    c, s = cos_sin(tl.load(pos + t).to(tl.float32), tl.load(inv_freq + j), scale, dt)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     dst = out + t * n_heads * 2 * HALF + h * 2 * HALF + j
-    tl.store(dst, o1.to(x1.dtype), mask=m)
-    tl.store(dst + HALF, o2.to(x1.dtype), mask=m)
+    tl.store(dst, rotate(a1, a2, c, s, True, dt).to(dt), mask=m)
+    tl.store(dst + HALF, rotate(a2, a1, c, s, False, dt).to(dt), mask=m)
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

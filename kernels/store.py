@@ -37,32 +37,16 @@ def _inverse(d):
 
 
 @triton.jit
-def _store_kernel(
-    x,  # [n, N_KV_HEADS, HEAD_DIM] fp16/bf16/fp32, last dim contiguous
-    slots,  # [n] int64 flat slots
-    pool,  # [n_pages, PAGE_BYTES] uint8
-    stride_xn,
-    stride_xh,
-    FMT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE_BYTES: tl.constexpr,
-    SCALE_OFF: tl.constexpr,
-):
+def store_row(pool, slot, i_h, b_lo, b_hi, o_b, o_j, FMT: tl.constexpr, HEAD_DIM: tl.constexpr,
+              PAGE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """One (token, KV head) row, as fp32 elements 0..15 (``b_lo``) and 16..31 (``b_hi``) of each
+    block [NB, 16], quantized into its page slot (``slot`` < 0: nothing written). Also the fused
+    RoPE + store kernel's (kernels/rope_store.py), so both write the same bytes."""
     NB: tl.constexpr = HEAD_DIM // 32
-    i_n = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slots + i_n).to(tl.int64)
-    m_ok = slot >= 0
-    page = tl.where(m_ok, slot, 0) // 256
-    row = i_h * 256 + tl.where(m_ok, slot, 0) % 256  # (head, token) row inside the page
-
-    o_b = tl.arange(0, NB)
-    o_j = tl.arange(0, 16)
     o_e = o_b[:, None] * 32 + o_j[None, :]  # [NB, 16]: element j < 16 of each block
     m_x = (slot + 0 * o_e) >= 0  # [NB, 16]: the interpreter mishandles scalar & tensor masks
-    p_x = x + i_n * stride_xn + i_h * stride_xh + o_e
-    b_lo = tl.load(p_x, mask=m_x).to(tl.float32)  # elements 0..15 of each block
-    b_hi = tl.load(p_x + 16, mask=m_x).to(tl.float32)  # elements 16..31
+    page = tl.where(slot >= 0, slot, 0) // 256
+    row = i_h * 256 + tl.where(slot >= 0, slot, 0) % 256  # (head, token) row inside the page
     p_page = pool + page * PAGE_BYTES
 
     if FMT == 0:  # f16
@@ -100,6 +84,32 @@ def _store_kernel(
             tl.store(p_q, (q_lo | (q_hi << 4)).to(tl.uint8), mask=m_x)
         p_s = (p_page + SCALE_OFF).to(tl.pointer_type(tl.float16)) + row * NB + o_b
         tl.store(p_s, b_d.to(tl.float16), mask=(slot + 0 * o_b) >= 0)
+
+
+@triton.jit
+def _store_kernel(
+    x,  # [n, N_KV_HEADS, HEAD_DIM] fp16/bf16/fp32, last dim contiguous
+    slots,  # [n] int64 flat slots
+    pool,  # [n_pages, PAGE_BYTES] uint8
+    stride_xn,
+    stride_xh,
+    FMT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+):
+    NB: tl.constexpr = HEAD_DIM // 32
+    i_n = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slots + i_n).to(tl.int64)
+    o_b = tl.arange(0, NB)
+    o_j = tl.arange(0, 16)
+    o_e = o_b[:, None] * 32 + o_j[None, :]
+    m_x = (slot + 0 * o_e) >= 0
+    p_x = x + i_n * stride_xn + i_h * stride_xh + o_e
+    b_lo = tl.load(p_x, mask=m_x).to(tl.float32)  # elements 0..15 of each block
+    b_hi = tl.load(p_x + 16, mask=m_x).to(tl.float32)  # elements 16..31
+    store_row(pool, slot, i_h, b_lo, b_hi, o_b, o_j, FMT, HEAD_DIM, PAGE_BYTES, SCALE_OFF)
 
 
 def check_pool(pool: torch.Tensor, fmt: PageFormat, name: str = "pool") -> None:

@@ -4,6 +4,7 @@ The model calls, for one forward pass over ``n`` new tokens::
 
     pos = cache.begin(n)                    # positions [n] of the new tokens (device tensor)
     out = cache.attend(layer, q, k, v)      # per layer: store k/v rows, attend causally
+    out = cache.attend_rope(layer, qk, v, rope)  # the same, q and k side by side before RoPE
     cache.commit()                          # the n rows become part of the history
     cache.set_phase("decode")               # after prefill: re-lay memory for decoding
 
@@ -63,6 +64,14 @@ class CacheBase:
 
     def end_step(self) -> None:
         """The device side of a forward pass ends (a streaming cache joins its last copies)."""
+
+    def attend_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
+        """``attend`` for q and k heads side by side, not yet rotated (qk [n, H + KVH, D]; ``rope``:
+        ``kvstream.model.layer_ops.Rope``): one RoPE over both, then ``attend``. A paged cache
+        fuses the rotation into its store."""
+        h = v.shape[1]
+        qk = rope(qk)
+        return self.attend(layer, qk[:, :-h], qk[:, -h:], v)
 
     def commit(self) -> None:
         self.length += self._n

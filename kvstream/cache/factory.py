@@ -22,6 +22,9 @@ class _OneLayer(PagedCache):
     def attend(self, layer, q, k_new, v_new):
         return super().attend(0, q, k_new, v_new)
 
+    def attend_rope(self, layer, qk, v, rope):
+        return super().attend_rope(0, qk, v, rope)
+
 
 def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, ring_pages: int | None) -> PagedCache:
     """A one-layer paged cache like the real one, at the end of its context: with an explicit

@@ -21,18 +21,26 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 class KVOps:
-    """store / gather / attention (in one call or in rounds) for one device."""
+    """store (alone or after RoPE) / gather / attention (in one call or in rounds) for one device."""
 
     def __init__(self, device: torch.device):
         self.triton = device.type == "cuda"
         if self.triton:
-            from kernels import decode_attention, gather, store
+            from kernels import decode_attention, gather, rope_store, store
 
-            self._store, self._gather = store.store, gather.gather
+            self._store, self._gather, self._rope_store = store.store, gather.gather, rope_store.rope_store
             self._attn, self._round_state = decode_attention.decode_attention, decode_attention.round_state
 
     def store(self, pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fmt: PageFormat) -> None:
         (self._store if self.triton else reference.store)(pool, rows, slots, fmt)
+
+    def rope_store(self, qk: torch.Tensor, v: torch.Tensor, rope, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   slots: torch.Tensor, k_fmt: PageFormat, v_fmt: PageFormat) -> torch.Tensor:
+        """RoPE over qk [n, H + KVH, D] (``rope``: ``kvstream.model.layer_ops.Rope``), its K heads and
+        v stored at ``slots``: one launch on CUDA (``kernels.rope_store``); returns the rotated q."""
+        if self.triton:
+            return self._rope_store(qk, v, rope.pos, rope.inv_freq, k_pool, v_pool, slots, k_fmt, v_fmt, rope.scale)
+        return reference.rope_store(qk, v, *rope.cos_sin, k_pool, v_pool, slots, k_fmt, v_fmt)
 
     def gather(self, pool, page_ids, n_tokens: int, fmt: PageFormat, dtype) -> torch.Tensor:
         return (self._gather if self.triton else reference.gather)(pool, page_ids, n_tokens, fmt, dtype)

@@ -169,10 +169,24 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         out = self._attend(layer, q, k_new, v_new @ r if self.rot_v else v_new)
         return out @ r if self.rot_v else out  # (its own inverse)
 
+    def attend_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
+        """``attend`` before RoPE (``CacheBase.attend_rope``): a decode pass rotates q and K and
+        stores K and V in one launch (``KVOps.rope_store``); prefill chunks and rotated pages
+        rotate first, then attend."""
+        if self.rot is not None or self._n > MAX_N_Q:
+            return super().attend_rope(layer, qk, v, rope)
+        q = self.ops.rope_store(qk, v, rope, self.kspace, self.vspace, self.slots[layer], self.k_fmt, self.v_fmt)
+        return self._attention(layer, q)
+
     def _attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
-        table, slots = self.tables[layer], self.slots[layer]
+        slots = self.slots[layer]
         self.ops.store(self.kspace, k_new.contiguous(), slots, self.k_fmt)
         self.ops.store(self.vspace, v_new.contiguous(), slots, self.v_fmt)
+        return self._attention(layer, q)
+
+    def _attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q's attention over every key of the layer, its new rows stored."""
+        table = self.tables[layer]
         L = self.length + self._n
         if self._n > MAX_N_Q:
             return self._prefill_attention(layer, q, L)

@@ -3,9 +3,37 @@ rope.py, swiglu.py), their plain-torch references elsewhere, as kv_ops does for 
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 from kernels import reference
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One forward pass's RoPE: the rows' positions [n] int64, the frequencies and YaRN's scale (what
+    the kernels read; a paged cache fuses the rotation into its store with them), applied to
+    [n, heads, D] rows by calling it."""
+
+    pos: torch.Tensor
+    inv_freq: torch.Tensor
+    scale: float
+    dtype: torch.dtype
+    triton: bool
+
+    @functools.cached_property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The references' cos / sin [n, 1, D/2] (times ``scale``), computed once per pass."""
+        return reference.rope_angles(self.pos, self.inv_freq, self.dtype, self.scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from kernels.rope import rope
+
+            return rope(x, self.pos, self.inv_freq, self.scale)
+        return reference.rope(x, *self.cos_sin)
 
 
 class LayerOps:
@@ -14,21 +42,18 @@ class LayerOps:
     def __init__(self, device: torch.device):
         self.triton = device.type == "cuda"
         if self.triton:
-            from kernels import rms_norm, rope, swiglu
+            from kernels import rms_norm, swiglu
 
-            self._norm, self._rope, self._silu_mul = rms_norm.add_rms_norm, rope.rope, swiglu.silu_mul
+            self._norm, self._silu_mul = rms_norm.add_rms_norm, swiglu.silu_mul
 
     def add_rms_norm(self, x, w, eps, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, RMSNorm(x + delta) * w); x itself when delta is None."""
         return (self._norm if self.triton else reference.add_rms_norm)(x, w, eps, delta)
 
-    def angles(self, pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float):
-        """What ``rope`` needs per step: the positions themselves for the kernel (it computes
-        the angles), cos/sin (times ``scale``, YaRN's attention factor) for the reference."""
-        return pos if self.triton else reference.rope_angles(pos, inv_freq, dtype, scale)
-
-    def rope(self, x: torch.Tensor, angles, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
-        return self._rope(x, angles, inv_freq, scale) if self.triton else reference.rope(x, *angles)
+    def rope(self, pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float) -> Rope:
+        """The RoPE of a pass whose rows sit at ``pos``: the kernel computes the angles itself, the
+        reference's cos / sin (times ``scale``, YaRN's attention factor) are computed once."""
+        return Rope(pos, inv_freq, scale, dtype, self.triton)
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         return (self._silu_mul if self.triton else reference.silu_mul)(gu)

@@ -149,7 +149,7 @@ class MTPHead(torch.nn.Module):
         c, n = self.cfg, x.shape[0]
         qkv = F.linear(self._norm(x, self.attn_norm, ops)[1], self.wqkv, self.bqkv)
         w = (c.n_heads + c.n_kv_heads) * c.head_dim
-        qk = ops.rope(qkv[:, :w].view(n, -1, c.head_dim), ops.angles(pos, self.inv_freq, qkv.dtype, 1.0), self.inv_freq, 1.0)
+        qk = ops.rope(pos, self.inv_freq, qkv.dtype, 1.0)(qkv[:, :w].view(n, -1, c.head_dim))
         return qk[:, :c.n_heads], qk[:, c.n_heads:], qkv[:, w:].view(n, c.n_kv_heads, c.head_dim)
 
     def _block_out(self, x: torch.Tensor, a: torch.Tensor, ops: LayerOps) -> torch.Tensor:

@@ -152,7 +152,7 @@ class Qwen:
         taps = features(cfg.n_layers, hidden)
         tapped = {}
         cache.start_step()
-        angles = ops.angles(pos, self.inv_freq, self.dtype, self.rope_scale)
+        rope = ops.rope(pos, self.inv_freq, self.dtype, self.rope_scale)
         x, delta = embedding(tokens, self.embed, self.dtype), None
         H, D = cfg.n_heads, cfg.head_dim
         qk_width = (H + cfg.n_kv_heads) * D
@@ -161,13 +161,12 @@ class Qwen:
             if i in taps:  # the stream entering block i
                 tapped[i] = x
             qkv = linear(h, L.wqkv, L.bqkv)
-            # q and k heads side by side: one RoPE over both
+            # q and k heads side by side: one RoPE over both, which a paged cache fuses into its store
             qk = qkv[:, :qk_width].view(n, -1, D)
             v = qkv[:, qk_width:].view(n, cfg.n_kv_heads, D)
             if L.q_norm is not None:
                 qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)), 1)
-            qk = ops.rope(qk, angles, self.inv_freq, self.rope_scale)
-            a = cache.attend(i, qk[:, :H], qk[:, H:], v).reshape(n, H * D)
+            a = cache.attend_rope(i, qk, v, rope).reshape(n, H * D)
             x, h = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a, L.wo))
             delta = linear(ops.silu_mul(linear(h, L.w_gate_up)), L.w_down)
         if not all_logits and not hidden:
