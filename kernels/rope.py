@@ -13,7 +13,9 @@ reference path uses too. ``scale`` (YaRN's attention factor, 0.1 ln(factor) + 1)
 and sin in fp32 before their rounding, as transformers does, so q.k grows by its square; at
 scale 1 the product is exact and the result is plain RoPE's bit for bit. Positions stay int64
 until their one conversion to fp32 (exact below 2^24, then rounded to nearest as torch's
-``pos.float()``); pointer offsets are int64 (the token index), so no size overflows int32.
+``pos.float()``); pointer offsets are int64 (the token index), so no size overflows int32. Compiled without FMA
+contraction, as ``kernels.rope_store`` (which the store's exactness needs) is: cos / sin then come out
+the same in both, so the fused kernel's rows equal this one's.
 """
 from __future__ import annotations
 
@@ -74,5 +76,5 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, scale: floa
         raise ValueError(f"head_dim / 2 must be a power of two, got {d // 2}")
     out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
     _rope_kernel[(n,)](x, pos, inv_freq, out, x.stride(0), x.stride(1), heads, float(scale),
-                       HALF=d // 2, BLOCK_H=triton.next_power_of_2(heads), num_warps=4)
+                       HALF=d // 2, BLOCK_H=triton.next_power_of_2(heads), num_warps=4, enable_fp_fusion=False)
     return out

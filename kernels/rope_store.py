@@ -10,9 +10,8 @@ strided, e.g. views of the fused QKV output), v [n, n_kv_heads, D] -> the rotate
 Exactness: the rotation rounds as ``kernels.rope.rope`` does (cos/sin once to the rows' dtype,
 each product once, the sum once: the shared ``cos_sin`` / ``rotate``), and the rotated K rows are
 quantized from those rounded values by ``store``'s own code (``store_row``): the bytes and q equal
-``rope`` followed by ``store``, except that this kernel is compiled without FMA contraction (the
-store's requirement), which only fp32 rows could see in the rotation (x c - p s contracted by the
-separate ``rope`` kernel, not here, nor in the torch reference).
+``rope`` followed by ``store``. Both are compiled without FMA contraction (the store's requirement):
+with it, cos / sin and fp32 rows' x c - p s come out otherwise.
 
 One program per (token, head slot): slots 0..n_heads-1 are q heads, then n_kv_heads K heads, then
 n_kv_heads V heads; one warp each, as the store kernel.
@@ -84,8 +83,8 @@ def _rope_store_kernel(
     else:
         i_h = h - N_HEADS - N_KV_HEADS
         m_x = (slot + 0 * o_e) >= 0
-        src = v + t * stride_v_t + i_h * stride_v_h + o_e
-        store_row(v_pool, slot, i_h, tl.load(src, mask=m_x).to(tl.float32), tl.load(src + 16, mask=m_x).to(tl.float32),
+        p_v = v + t * stride_v_t + i_h * stride_v_h + o_e  # (Triton: a name must keep one type across branches)
+        store_row(v_pool, slot, i_h, tl.load(p_v, mask=m_x).to(tl.float32), tl.load(p_v + 16, mask=m_x).to(tl.float32),
                   o_b, o_j, V_FMT, HEAD_DIM, V_PAGE_BYTES, V_SCALE_OFF)
 
 
