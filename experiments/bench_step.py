@@ -14,6 +14,10 @@ the step time a user gets. Writes ``<out>/step_<device>_<model>_<context>.csv`` 
 per step, seconds) and prints the medians. ``--profile`` (CUDA) adds
 ``<out>/kernels_<model>_<context>.csv``: the GPU time of one captured step by kernel
 (torch.profiler over replays), the explanation of the GPU part.
+
+    python -m experiments.bench_step --report results/step/rope_store/*/step_*.csv   # a table, no GPU
+
+``--report``: one row per step CSV (medians; the kernel totals from the ``kernels_`` CSV beside it).
 """
 
 from __future__ import annotations
@@ -103,8 +107,27 @@ def kernel_table(graph, replays: int) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("us_per_step", ascending=False)
 
 
+def report(paths: list[str]) -> pd.DataFrame:
+    """The committed step CSVs as one table: median step, GPU alone, ``generate()``, and the
+    captured step's kernel time and launches where its ``kernels_`` CSV lies beside it."""
+    rows = []
+    for p in map(Path, paths):
+        df = pd.read_csv(p)
+        med = df.iloc[1:][["wall", "gpu", "generate_s"]].median()
+        row = {"file": f"{p.parent.name}/{p.name}", "context": int(df["context"].iloc[0]),
+               "step_ms": 1e3 * med["wall"], "gpu_ms": 1e3 * med["gpu"], "generate_ms": 1e3 * med["generate_s"],
+               "tok_s": 1 / med["generate_s"]}
+        k = p.with_name(p.name.replace("step_cuda_", "kernels_", 1))
+        if k != p and k.exists():
+            kt = pd.read_csv(k)
+            row |= {"kernel_us": kt["us_per_step"].sum(), "launches": kt["calls_per_step"].sum()}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report", nargs="+", metavar="CSV", help="tabulate committed step CSVs and exit (no GPU)")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--context", type=int, default=1024)
@@ -113,6 +136,9 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="also the captured step's GPU time by kernel (CUDA)")
     ap.add_argument("--weights", default="dense", choices=["dense", "q8_0"], help="model.weights: the matrices' format")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        return
     if args.steps < 2:
         raise SystemExit(f"--steps must be >= 2 (got {args.steps}): the first step is not counted")
     df, kernels = measure(resolve_model(args.model), args.context, args.steps, args.device, args.profile, args.weights)

@@ -45,6 +45,16 @@ def test_bench_step_splits_a_step_into_host_phases(tmp_path, capsys):
     assert (df["begin"] + df["commit"] < df["call"]).all()  # both happen inside the model call
     assert df["gpu"].isna().all()  # no captured step on CPU
     assert "host phases" in capsys.readouterr().out
+    # --report: the medians (the first step left out) and, for a CUDA file, its kernels CSV's totals
+    cuda = tmp_path / "out" / "step_cuda_tiny.gguf_300.csv"
+    df.to_csv(cuda, index=False)
+    pd.DataFrame({"kernel": ["a", "b"], "us_per_step": [10.0, 2.5], "calls_per_step": [28.0, 1.0]}).to_csv(
+        tmp_path / "out" / "kernels_tiny.gguf_300.csv", index=False)
+    table = bench_step.report([str(tmp_path / "out" / "step_cpu_tiny.gguf_300.csv"), str(cuda)])
+    assert table["generate_ms"].tolist() == [1e3 * df["generate_s"].iloc[1:].median()] * 2
+    assert table["kernel_us"].isna().iloc[0] and table["kernel_us"].iloc[1] == 12.5 and table["launches"].iloc[1] == 29
+    bench_step.main(["--report", str(cuda)])
+    assert "generate_ms" in capsys.readouterr().out
 
 
 def test_bench_stream_figure_redraws_from_its_csv(tmp_path, monkeypatch):
