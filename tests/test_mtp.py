@@ -235,15 +235,18 @@ def test_config_composes():
 
 def test_a_head_reading_several_target_streams_trains_and_is_written(target_path, tmp_path):
     """``features``: "last" (the default head), "eagle3" (blocks 2, n / 2, n - 3: here the 2-layer
-    target's n - 3 is out of range, so refused in one line naming the indices), or indices; a head
+    target's taps coincide, so refused in one line naming them), or indices; a head
     trained on two streams lowers its loss and its GGUF records them."""
     from experiments.train_mtp import feature_layers
     assert feature_layers("last", 28) is None and feature_layers("eagle3", 28) == (2, 14, 25)
     assert feature_layers("0,2", None) == (0, 2)
     with pytest.raises(ValueError, match="last, eagle3, or comma-separated"):
         config(target_path, tmp_path, features="low")
-    with pytest.raises(ValueError, match=r"\[2, 1, -1\].*0..2"):
+    with pytest.raises(ValueError, match=r"coincide for this target's 2 blocks \(\[2, 1, -1\]\)"):
         feature_layers("eagle3", 2)
+    with pytest.raises(ValueError, match=r"6 blocks \(\[2, 3, 3\]\)"):
+        feature_layers("eagle3", 6)
+    assert feature_layers("eagle3", 7) == (2, 3, 4)
     result = train(config(target_path, tmp_path, steps=30, eval_every=30, features="0,2"), command="features")
     assert result["curve"][-1]["heldout_loss"] < result["curve"][0]["heldout_loss"]
     head, meta = load_head(result["gguf"], load_model(target_path), sha256_file(target_path))
