@@ -117,8 +117,9 @@ def feature_layers(spec: str, n_layers: int | None) -> tuple[int, ...] | None:
             return None
         taps = eagle3_features(n_layers)
         if len(set(taps)) < 3 or min(taps) < 0:
-            raise ValueError(f"features=eagle3 taps the streams entering blocks 2, n/2 and n-3, which coincide for "
-                             f"this target's {n_layers} blocks ({list(taps)}): use features=last or block indices")
+            raise ValueError(f"features=eagle3 taps the streams entering blocks 2, n/2 and n-3, which coincide or fall "
+                             f"outside 0..{n_layers} for this target's {n_layers} blocks ({list(taps)}): use "
+                             f"features=last or block indices")
     else:
         try:
             taps = tuple(int(i) for i in str(spec).split(","))

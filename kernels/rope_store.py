@@ -102,9 +102,10 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, inv_freq: t
     if v.shape != (n, h, d) or v.stride(-1) != 1 or v.dtype != qk.dtype:
         raise ValueError(f"v must be [{n}, {h}, {d}] in {qk.dtype} with contiguous heads, got {v.dtype} "
                          f"{tuple(v.shape)} stride {v.stride()}")
-    if pos.shape != (n,) or pos.dtype != torch.int64 or inv_freq.shape != (d // 2,) or inv_freq.dtype != torch.float32:
-        raise ValueError(f"pos must be int64 [{n}] and inv_freq fp32 [{d // 2}], got {pos.dtype} {tuple(pos.shape)} "
-                         f"and {inv_freq.dtype} {tuple(inv_freq.shape)}")
+    if (pos.shape != (n,) or pos.dtype != torch.int64 or inv_freq.shape != (d // 2,) or inv_freq.dtype != torch.float32
+            or (n and pos.stride(0) != 1) or inv_freq.stride(0) != 1):
+        raise ValueError(f"pos must be contiguous int64 [{n}] and inv_freq contiguous fp32 [{d // 2}], got {pos.dtype} "
+                         f"{tuple(pos.shape)} and {inv_freq.dtype} {tuple(inv_freq.shape)}")
     if slots.dtype != torch.int64 or slots.shape != (n,) or slots.stride(0) != 1:
         raise ValueError(f"slots must be contiguous int64 [{n}], got {slots.dtype} {tuple(slots.shape)}")
     check_pool(k_pool, k_fmt, "k_pool")

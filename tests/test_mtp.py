@@ -242,7 +242,7 @@ def test_a_head_reading_several_target_streams_trains_and_is_written(target_path
     assert feature_layers("0,2", None) == (0, 2)
     with pytest.raises(ValueError, match="last, eagle3, or comma-separated"):
         config(target_path, tmp_path, features="low")
-    with pytest.raises(ValueError, match=r"coincide for this target's 2 blocks \(\[2, 1, -1\]\)"):
+    with pytest.raises(ValueError, match=r"coincide or fall outside 0..2 for this target's 2 blocks \(\[2, 1, -1\]\)"):
         feature_layers("eagle3", 2)
     with pytest.raises(ValueError, match=r"6 blocks \(\[2, 3, 3\]\)"):
         feature_layers("eagle3", 6)

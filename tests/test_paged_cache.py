@@ -268,6 +268,23 @@ def test_f16_pages_match_the_contiguous_cache(model, tokens):
     assert (got - ref).abs().max() <= 1e-3 * ref.abs().max()
 
 
+def test_decode_fuses_rope_into_the_store_and_equals_rope_then_attend(model, tokens):
+    """A decode pass's ``attend_rope`` rotates and stores in one call (``KVOps.rope_store``: the
+    Triton kernel on CUDA, its reference here); the same decode through ``CacheBase.attend_rope``
+    (RoPE, then ``attend``'s two stores) gives the same logits and the same page bytes, bit for bit."""
+    from kvstream.cache.contiguous import CacheBase
+
+    fused, plain = paged(model, "resident"), paged(model, "resident")
+    plain.attend_rope = lambda *a: CacheBase.attend_rope(plain, *a)
+    calls = []
+    rope_store = fused.ops.rope_store
+    fused.ops.rope_store = lambda *a: calls.append(a[0].shape[0]) or rope_store(*a)
+    a, b = run(model, fused, tokens, decode=6), run(model, plain, tokens, decode=6)
+    assert calls == [1] * 5 * SPEC.n_layers  # every decode step of every layer, no prefill chunk
+    assert torch.equal(a, b)
+    assert torch.equal(fused.kspace, plain.kspace) and torch.equal(fused.vspace, plain.vspace)
+
+
 def committed(pool_pages, L, fmt):
     """Dequantized committed rows [L, H, D] of logical pages given as a [n, page_bytes] tensor."""
     return reference.gather(pool_pages, torch.arange(pool_pages.shape[0]), L, fmt, torch.float32)

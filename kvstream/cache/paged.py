@@ -6,7 +6,8 @@ not change between modes. Per forward pass of n new tokens at positions [L, L + 
 1. ``begin``: the pages being written join the resident set (policy: ``policies.residency``);
    pages that enter it are uploaded from the host store; page tables and streaming rounds are
    rebuilt only when residency changes (``paged_plan``).
-2. ``attend(layer, ...)``: quantize-on-store into the tail pages; then attention. A *round* is
+2. ``attend(layer, ...)``: quantize-on-store into the tail pages; then attention (``attend_rope``,
+   the model's call: a decode pass rotates q and K and stores K and V in one launch first). A *round* is
    a contiguous run of logical pages holding at most half the ring's slots of streamed pages,
    copied host -> ring while the previous round computes (``paged_ring``). One round: a single
    attention call over every page, exactly the resident-mode call. Several rounds: the
@@ -172,7 +173,8 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
     def attend_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
         """``attend`` before RoPE (``CacheBase.attend_rope``): a decode pass rotates q and K and
         stores K and V in one launch (``KVOps.rope_store``); prefill chunks and rotated pages
-        rotate first, then attend."""
+        rotate first, then attend. Its decode path does not call ``attend``: a subclass that
+        overrides ``attend`` overrides this too (``factory._OneLayer``)."""
         if self.rot is not None or self._n > MAX_N_Q:
             return super().attend_rope(layer, qk, v, rope)
         q = self.ops.rope_store(qk, v, rope, self.kspace, self.vspace, self.slots[layer], self.k_fmt, self.v_fmt)
