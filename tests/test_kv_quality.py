@@ -117,3 +117,27 @@ def test_a_rotated_cache_is_a_plain_cache_in_the_hadamard_basis(type_k, type_v):
     got = run(cache(True), q, k, v)
     want = run(cache(False), q @ H if rk else q, k @ H if rk else k, v @ H if rv else v)
     assert torch.equal(got, want @ H if rv else want)
+
+
+def test_the_reserve_pass_of_a_rotated_cache_runs_its_unfused_decode(setup, monkeypatch):
+    """cache.rotate reaches the reserve passes that size the compute slab (``phase_slabs`` ->
+    ``reserve_slab`` -> the scratch cache): a rotated cache's decode rotates and stores apart (its
+    RoPE output, copies and Hadamard products), and the scratch cache measures that path, not the
+    fused store. (The measurement itself runs on CUDA; here the scratch pass and the plumbing.)"""
+    from kvstream.cache import factory
+
+    model = setup[0]
+    seen = []
+    real = factory.reserve_slab
+    monkeypatch.setattr(factory, "reserve_slab", lambda *a, **kw: seen.append(kw["rotate"]) or real(*a, **kw))
+    factory.phase_slabs(CacheConfig(mode="resident", rotate=True), model, 512, 64, verify_width=3)
+    assert seen == [True, True]  # the prefill and the decode slab
+    for rotate in (False, True):
+        scratch = factory._scratch_cache(model, 3, 512, "q8_0", "q4_0", None, rotate)
+        fused, rope_store = [], scratch.ops.rope_store
+        scratch.ops.rope_store = lambda *a: fused.append(1) or rope_store(*a)
+        assert (scratch.rot is not None) == rotate
+        with torch.inference_mode():
+            pos = scratch.begin(3)
+            model.body(torch.zeros(3, dtype=torch.long), pos, scratch)
+        assert bool(fused) != rotate  # a plain cache's decode pass fuses, a rotated one's does not

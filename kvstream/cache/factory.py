@@ -26,10 +26,12 @@ class _OneLayer(PagedCache):
         return super().attend_rope(0, qk, v, rope)
 
 
-def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, ring_pages: int | None) -> PagedCache:
+def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, ring_pages: int | None,
+                   rotate: bool = False) -> PagedCache:
     """A one-layer paged cache like the real one, at the end of its context: with an explicit
     ring, as few resident pages as a batch allows (the most streaming rounds, whose attention
-    partials all live until they merge)."""
+    partials all live until they merge); ``rotate``: its pages in the Hadamard basis, whose decode
+    passes rotate and store apart (``PagedCache.attend_rope``), as the real one's do."""
     c = model.cfg
     pages = -(-max_tokens // PAGE_TOKENS)
     stream = bool(ring_pages)
@@ -39,7 +41,7 @@ def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, rin
                       type_k=type_k, type_v=type_v, mode="stream" if stream else "resident",
                       arena=Arena(plan.bytes(resident), model.device),
                       ring_pages=ring_pages if stream else 0, slabs={"prefill": 0, "decode": 0},
-                      verify_width=n)
+                      verify_width=n, rotate=rotate)
     cache.length = max_tokens - n  # rows are never initialised: only the buffers are measured
     if n <= MAX_N_Q:
         cache.set_phase("decode")
@@ -48,9 +50,10 @@ def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, rin
 
 def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k: str = "q8_0",
                  type_v: str = "q4_0", ring_pages: int | None = None, all_logits: bool = False,
-                 step_logits: tuple[bool, ...] = (False, True), hidden=False) -> int:
+                 step_logits: tuple[bool, ...] = (False, True), hidden=False, rotate: bool = False) -> int:
     """Bytes of compute buffers one forward pass of ``n_tokens`` needs (the phase's peak);
-    ``hidden``: with the hidden states it returns beside the logits (``Qwen.body``: an MTP head's).
+    ``hidden``: with the hidden states it returns beside the logits (``Qwen.body``: an MTP head's);
+    ``rotate``: through a cache whose pages are rotated (``cache.rotate``).
 
     On CUDA reserve passes measure it: the real forward pass through a one-layer scratch paged
     cache of the same page types and ring (``None``: automatic, one round) near the end of a
@@ -62,7 +65,7 @@ def reserve_slab(model, n_tokens: int, *, max_tokens: int | None = None, type_k:
     c = model.cfg
     if model.device.type == "cuda":
         max_tokens = max(max_tokens or n_tokens, n_tokens)
-        scratch = _scratch_cache(model, n_tokens, max_tokens, type_k, type_v, ring_pages)
+        scratch = _scratch_cache(model, n_tokens, max_tokens, type_k, type_v, ring_pages, rotate)
         if n_tokens > MAX_N_Q:
             # a prefill pass's sizes grow with the prefix, but not monotonically in segments (torch
             # gives a 1-10 MiB block a 20 MiB segment, a larger one its size): one pass, on an
@@ -107,16 +110,16 @@ def phase_slabs(cache: CacheConfig, model, max_tokens: int, prefill_chunk: int, 
     ring = cache.ring_slots
     return slabs_for(model, prefill_chunk, verify_width, max_tokens=max_tokens, type_k=cache.type_k,
                      type_v=cache.type_v, ring_pages=ring if cache.mode == "stream" else 0, all_logits=all_logits,
-                     hidden=hidden)
+                     hidden=hidden, rotate=cache.rotate)
 
 
 def slabs_for(model, prefill_chunk: int, verify_width: int, *, max_tokens: int, type_k: str, type_v: str,
               ring_pages: int | None = 0, all_logits: bool = False,
-              step_logits: tuple[bool, ...] = (False, True), hidden=False) -> dict[str, int]:
+              step_logits: tuple[bool, ...] = (False, True), hidden=False, rotate: bool = False) -> dict[str, int]:
     """{"prefill": slab of ``prefill_chunk``-token passes, "decode": of passes up to
     ``verify_width`` tokens (``reserve_slab``)}, through a paged cache of these page types and ring;
     ``hidden``: passes that also return those hidden states (an MTP head reads them)."""
-    kv = dict(max_tokens=max_tokens, type_k=type_k, type_v=type_v, ring_pages=ring_pages, hidden=hidden)
+    kv = dict(max_tokens=max_tokens, type_k=type_k, type_v=type_v, ring_pages=ring_pages, hidden=hidden, rotate=rotate)
     slabs = {"prefill": reserve_slab(model, min(prefill_chunk, max_tokens), all_logits=all_logits, **kv),
              "decode": reserve_slab(model, min(verify_width, max_tokens), step_logits=step_logits, **kv)}
     if model.device.type == "cuda":
