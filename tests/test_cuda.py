@@ -716,10 +716,12 @@ def test_no_cache_copies_on_the_capture_stream(tmp_path):
         assert t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8).copier.stream.cuda_stream != side
 
 
-@pytest.mark.parametrize("features", [None, (1, 2)], ids=["last stream", "two streams (EAGLE-3)"])
-def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path, features):
-    """spec.type=mtp on CUDA: captured verify steps with their hidden states, device rounds, the
-    head pinned in the arena: the tokens equal plain decoding's."""
+@pytest.mark.parametrize("features, head_graphs", [(None, False), ((1, 2), False), ((1, 2), True)],
+                         ids=["last stream", "two streams (EAGLE-3)", "EAGLE-3, the head's rounds captured"])
+def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path, features, head_graphs):
+    """spec.type=mtp on CUDA: captured verify steps with their hidden states, device rounds (each
+    next feed staged before the readback: ``MTPDraft.prepare``), the head pinned in the arena, its
+    rounds eager or captured: the tokens equal plain decoding's."""
     import test_mtp_engine as t
     from kvstream.engine.graphs import GraphedModel
     from kvstream.model.mtp import MTPHead
@@ -732,7 +734,8 @@ def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path, f
                {"command": "test"}, "f32")
     cache = t.make_cache(t.CacheConfig(mode="resident"), t.ArenaConfig(), m, 1024, t.CHUNK)
     plain = generate(m, cache, t.PROMPT, t.NEW, Sampler(t.GREEDY, "cuda"), prefill_chunk=t.CHUNK).tokens
-    g, mtp, _, cache = t.run_mtp(m, (target, tmp_path / "h.gguf"), device_rounds=True, step=GraphedModel(m))
+    g, mtp, _, cache = t.run_mtp(m, (target, tmp_path / "h.gguf"), device_rounds=True, step=GraphedModel(m),
+                                 head_graphs=head_graphs)
     assert g.tokens == plain and mtp.stats.drafts > 0
 
 

@@ -178,11 +178,13 @@ def test_the_first_draft_is_the_heads_chain_over_the_prompts_rows(model, files):
     assert len(hs) == -(-len(PROMPT) // CHUNK) and got == want.tolist()
 
 
-@pytest.mark.parametrize("policy, run_ahead, eagle3", [(None, False, False), ("eject", False, False),
-                                                     ("eject", True, False), ("eject", False, True)],
-                         ids=["kept", "ejected and re-enabled", "ejected, plain steps run ahead", "EAGLE-3 head"])
+@pytest.mark.parametrize("policy, run_ahead, eagle3, device_rounds", [
+    (None, False, False, False), ("eject", False, False, False), ("eject", True, False, False),
+    ("eject", False, True, False), (None, False, False, True), ("eject", False, True, True)],
+    ids=["kept", "ejected and re-enabled", "ejected, plain steps run ahead", "EAGLE-3 head",
+         "device rounds (feeds staged before the readback)", "device rounds, EAGLE-3 head, ejected and re-enabled"])
 def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, files, eagle3_files, monkeypatch, policy,
-                                                                       run_ahead, eagle3):
+                                                                       run_ahead, eagle3, device_rounds):
     """Each round, not only the first, and after an eject and a re-enable (the rows of the tokens
     decoded while ejected made from the states kept on the host): the draft equals ``MTPHead.draft`` run from scratch over
     every committed row (a fresh dense head cache; the target's hidden states recomputed in one
@@ -199,7 +201,8 @@ def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, fi
 
     monkeypatch.setattr(MTPDraft, "_draft", spy)
     policy = Scripted(at=3, back=12) if policy else None
-    _, mtp, control, _ = run_mtp(model, eagle3_files if eagle3 else files, policy=policy, run_ahead=run_ahead)
+    _, mtp, control, _ = run_mtp(model, eagle3_files if eagle3 else files, policy=policy, run_ahead=run_ahead,
+                                 device_rounds=device_rounds)
     assert len(rounds) >= 8 and [t.action for t in control.transitions] == (["eject", "reenable"] if policy else [])
     for history, got in rounds:
         n = len(history)
@@ -209,6 +212,41 @@ def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, fi
             want = mtp.head.draft(h, torch.tensor(history[1:]), torch.arange(1, n), len(got),
                                   mtp.head.new_cache(n + 8, torch.float32))
         assert got == want.tolist(), (n, got, want.tolist())
+
+
+def test_a_device_round_stages_the_heads_next_feed_before_its_readback(model, files, plain, monkeypatch):
+    """Device rounds: ``prepare`` stages the next round's feed (the kept rows' states and tokens,
+    taken on the device; the pass's positions and slots) before the round's readback, so after it
+    the head stages nothing but the round's launch. The same decode with ``prepare`` off stages
+    each round after its readback; both give plain decoding's tokens, and the host staging the
+    readback waited for is gone from all rounds but the first."""
+    from kvstream.cache.paged import PagedCache
+
+    def staged(prepare: bool):
+        counts, stage, stage_step = {"feeds": 0}, MTPDraft._stage, PagedCache._stage_step
+
+        def feed(self, *a):
+            counts["feeds"] += 1
+            return stage(self, *a)
+
+        def step(self, n):
+            counts[id(self)] = counts.get(id(self), 0) + 1
+            return stage_step(self, n)
+
+        with monkeypatch.context() as m:
+            m.setattr(MTPDraft, "_stage", feed)
+            m.setattr(PagedCache, "_stage_step", step)
+            if not prepare:
+                m.delattr(MTPDraft, "prepare")
+            g, mtp, *_ = run_mtp(model, files, device_rounds=True)
+        assert g.tokens == plain
+        return counts["feeds"], counts[id(mtp.cache)], mtp.stats.calls
+
+    feeds, steps, rounds = staged(True)
+    feeds_off, steps_off, rounds_off = staged(False)
+    assert rounds == rounds_off >= 8
+    assert feeds_off - feeds == rounds - 1  # every round's own staging but the first's: done by prepare
+    assert steps == steps_off + 1  # a pass staged per round all the same (ahead), and the last round's unused
 
 
 def test_rows_observed_before_the_heads_first_draft_are_all_fed(model, files):

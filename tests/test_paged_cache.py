@@ -562,3 +562,41 @@ def test_a_re_layout_that_keeps_the_streamed_set_copies_the_first_round_again(mo
                 assert cache.capacity == 5 and list(cache.rounds[0][2]) == streamed
                 assert cache.layout.v_offset != v_offset
     assert torch.equal(torch.stack(out), ref)
+
+
+@torch.inference_mode()
+def test_a_pass_staged_ahead_is_the_pass_begin_would_stage(model, tokens):
+    """``stage_ahead(n)`` then ``begin(m)``, m <= n: the positions, slots and lengths a begin that
+    stages itself writes, with no staging in the begin; a begin at another length, or wider than
+    the staged pass, or after a plan (a page opening: the new page's slots were not in the tables
+    when it was staged) stages anew."""
+    c = paged(model, "resident", verify_width=8)
+    run(model, c, tokens[:250], decode=0)
+    c.set_phase("decode")
+    calls, stage_step = [], c._stage_step
+    c._stage_step = lambda n: (calls.append(n), stage_step(n))[1]
+
+    def staged(length, m, ahead=None):
+        c.length = length  # (no rows are written or read here: the staging is a function of the length and tables)
+        if ahead is not None:
+            c.stage_ahead(ahead)
+        before = len(calls)
+        c.begin(m)
+        out = c._step.clone(), c.pos.clone(), c.slots.clone(), int(c.seq_len), len(calls) - before
+        c._n = 0  # nothing to commit
+        return out
+
+    for length, m, n in [(240, 3, 8), (250, 1, 1), (248, 4, 6), (244, 2, 8)]:
+        step, pos, slots, seq_len, n_staged = staged(length, m, ahead=n)
+        fresh = staged(length, m)
+        assert n_staged == 0 and fresh[4] == 1, (length, m, n)
+        assert torch.equal(pos, fresh[1]) and torch.equal(slots, fresh[2]) and seq_len == fresh[3] == length + m
+        assert torch.equal(step, fresh[0]) or m < n  # a wider staged pass leaves more rows (unread)
+    c.stage_ahead(4)
+    assert staged(241, 3)[4] == 1  # another length
+    c.stage_ahead(2)
+    assert staged(241, 3)[4] == 1  # wider than staged
+    c.stage_ahead(8)  # rows 249..256: past the planned page
+    got = staged(249, 8)
+    assert got[4] == 1  # page 1 opens in the begin (new tables): staged anew
+    assert torch.equal(got[2], staged(249, 8)[2]) and int(got[2][0, -1]) // PAGE_TOKENS != int(got[2][0, 0]) // PAGE_TOKENS

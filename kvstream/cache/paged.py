@@ -84,7 +84,7 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         self.verify_width = verify_width  # the widest decode batch the decode slab was reserved for
         self.phase = "prefill"
         self._init_step_buffers(n_layers)
-        self._layout_version = self._plan_version = 0
+        self._layout_version = self._plan_version = self._tables_version = 0
         self._plan_sig = None  # the streamed pages' rounds (and grouping) that the round keys are for
         # every round's key range as device scalars (CUDA), rewritten in place by each plan
         self._keys = torch.zeros(2 * (self.max_pages + 1), dtype=torch.int64, device=self.device)
@@ -135,7 +135,7 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
                 self.stats.plan_change, self.stats.plan_s = "plan", time.perf_counter() - t0
         self._n = n
         if n <= MAX_N_Q:  # decode widths: computed on the host, one copy into the static buffers
-            pos, slots = self._stage_step(n)
+            pos, slots = self._staged(n)
         else:  # prefill chunks: on the device
             pos = torch.arange(self.length, self.length + n, device=self.device)
             # once per step, not per layer: every layer's slot of each new row
@@ -150,7 +150,10 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
             self.stats.h2d_bytes += sum(src.numel() for _, src, _ in self.ring_copies(0, 0))  # its first group
         self._primed = None  # known again once this step has run (commit): one failing midway leaves it unknown
         # the length as the kernels read it: a device scalar on CUDA (no per-layer fill)
-        self.seq_len = self._len if self.ops.triton else self.length + n
+        if not self.ops.triton:
+            self.seq_len = self.length + n
+        else:
+            self.seq_len = self._lens[n - 1:n] if n <= MAX_N_Q else self._len
         s = self.rounds
         self.stats.streamed_pages = sum(len(r[2]) for r in s)
         self.stats.h2d_bytes += self._ring_bytes  # this step's ring copies

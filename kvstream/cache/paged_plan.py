@@ -105,4 +105,5 @@ class ResidencyPlan:
             self.tables_host[:, list(pages)] = self._pool_slot(layers, torch.tensor(slots, dtype=torch.int32))
         self._tables_upload.stage().copy_(self.tables_host)
         self._tables_upload.send()
+        self._tables_version += 1  # slots staged before this (``stage_ahead``) may be stale
         self._n_pages = n_pages

@@ -1,8 +1,9 @@
 """Static step buffers of a paged cache, for captured decode steps (kvstream.engine.graphs).
 
-One device tensor holds a step's positions, every layer's slots and the length, written in
-place by ``begin`` with one host -> device copy from a pinned staging buffer; a captured step
-reads it, so its graph stays valid while positions and slots change. The page tables and round
+One device tensor holds a step's positions, every layer's slots and the length after each row,
+written in place by ``begin`` with one host -> device copy from a pinned staging buffer; a
+captured step reads it, so its graph stays valid while positions and slots change. A drafter
+may stage its next pass early (``stage_ahead``), while the device still works on a round. The page tables and round
 keys of a new plan reach the device the same way (``PinnedUpload``): a copy from pageable
 memory would make the host wait for the device's queued steps at every page opening."""
 
@@ -42,8 +43,8 @@ class PinnedUpload:
 
 
 class StepStaging:
-    """PagedCache's staging part: ``_step`` (device), its views ``_pos`` / ``_slots`` / ``_len``,
-    written through a ``PinnedUpload``."""
+    """PagedCache's staging part: ``_step`` (device), its views ``_pos`` / ``_slots`` / ``_lens``
+    (``_len``: a prefill chunk's length), written through a ``PinnedUpload``."""
 
     def _init_step_buffers(self, n_layers: int) -> None:
         # static step buffers, written in place by begin: a captured step (kvstream.engine.graphs)
@@ -55,6 +56,25 @@ class StepStaging:
         self._pos, self._len, self._lens = self._step[:w], self._step[e:e + 1], self._step[e + 1:]
         self._slots = self._step[w:e].view(n_layers, w)
         self._step_upload = PinnedUpload(self._step)
+        self._ahead = None  # (length, rows, page tables' version) that stage_ahead staged
+
+    def stage_ahead(self, n: int) -> None:
+        """Stage a decode pass of up to ``n`` rows at the current length now, before its
+        ``begin``: the host does it while the device is busy with a round, off the path from the
+        round's readback to the next launch (``MTPDraft.prepare``). Positions and slots are a
+        function of the length and the page tables only, so a ``begin(m)``, m <= n, at that length
+        with the same tables (no plan since: a page opening re-plans) stages nothing; any other
+        begin stages as usual."""
+        if 0 < n <= MAX_N_Q and self.length + n <= self.max_tokens:
+            self._stage_step(n)
+            self._ahead = (self.length, n, self._tables_version)
+
+    def _staged(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``begin``'s staging of a decode pass of ``n`` rows: what ``stage_ahead`` left, if it holds."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == self.length and n <= ahead[1] and ahead[2] == self._tables_version:
+            return self._pos[:n], self._slots[:, :n]
+        return self._stage_step(n)
 
     def _stage_step(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and slots of a decode step from the host's page tables, written into the
@@ -66,8 +86,7 @@ class StepStaging:
         stage[:n] = pos
         stage[w:e].reshape(self.n_layers, w)[:, :n] = \
             self.tables_host.numpy()[:, pos // PAGE_TOKENS].astype(np.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
-        stage[e] = self.length + n
-        stage[e + 1:e + 1 + n] = pos + 1
+        stage[e + 1:e + 1 + n] = pos + 1  # the length after each row: the pass's (its last) and a sub-pass's
         self._step_upload.send()
         return self._pos[:n], self._slots[:, :n]
 

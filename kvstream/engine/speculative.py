@@ -26,7 +26,10 @@ feed each other on the device, the ``p_min`` stop is a mask, the verify pass run
 whatever the mask, and greedy (or synthetic) acceptance is computed on the device; the host
 reads back the accepted count and the tokens once, with the draft's and the verify's device
 times (CUDA events). The output is the same as the host round's: a masked token is never
-accepted, and the token after the accepted prefix is the target's argmax there.
+accepted, and the token after the accepted prefix is the target's argmax there. A drafter with
+``prepare`` (the MTP head) stages its next round's feed before that readback, from the verify's
+states and the kept tokens on the device (``kept_on_device``): after the readback the host only
+launches the next round.
 """
 
 from __future__ import annotations
@@ -88,6 +91,15 @@ def accept_on_device(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Te
     return torch.cat((accepted.view(1).long(), valid.sum().view(1).long(), tokens, top))
 
 
+def kept_on_device(result: torch.Tensor, n: int) -> torch.Tensor:
+    """The round's kept tokens from ``accept_on_device``'s ``result``, on the device, padded to
+    1 + n: the drafts before the first rejected one, then the target's token there (rows after
+    it repeat that token: no round reads them)."""
+    a, tokens, top = result[:1], result[2:2 + n], result[2 + n:]
+    i = torch.arange(n + 1, device=result.device)
+    return torch.where(i < a, torch.cat((tokens, top[n:])), top.gather(0, a))
+
+
 class _DeviceRound:
     """A round on the device (module docstring): the verify input staged without a sync, one
     readback per round, the draft's and the verify's device times."""
@@ -132,6 +144,9 @@ class _DeviceRound:
         result = accept_on_device(logits, tokens, valid, sampler, alpha)
         t2 = self._mark(2)  # before the readback's own event: done when the read returns, so readable
         rb.start(result)
+        prepare = getattr(winner, "prepare", None) if hidden else None
+        if prepare is not None:  # the next round's feed, staged while the device verifies
+            prepare(h[:1 + n], kept_on_device(result, n), len(history) - 1)
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
         winner.read_device_round(toks, n_valid)

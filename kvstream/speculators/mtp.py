@@ -19,11 +19,12 @@ each step a row of its own: ``PagedCache.sub_pass``); on CUDA (``graphs``, the e
 ``cuda_graphs``) that pass replays one graph per (feed width, draft length), captured at the
 warm-up for the longest draft, so a round costs the host one launch instead of one per step (run
 as separate captured steps, a round's feed and 4 steps cost 1.5 ms at 4K on the H200, twice
-their device time: ``results/mtp_h200_graphed``). Feeds too wide for one pass (the prompt's last
-chunk) and a re-enable's catch-up run as separate steps, each a graph per width (``HeadStep``
-through ``GraphedModel``).
-While ejected the head still reads the target's states, into host memory (``feature_dim`` values a
-token);
+their device time: ``results/mtp_h200_graphed``). In device rounds the next round's feed is staged
+before the round's readback (``prepare``: the verify's states and the kept tokens on the device,
+the head's pass staged ahead), so the readback is followed by the launch alone. Feeds too wide
+for one pass (the prompt's last chunk) and a re-enable's catch-up run as separate steps, each a
+graph per width (``HeadStep`` through ``GraphedModel``). While ejected the head still reads the
+target's states, into host memory (``feature_dim`` values a token);
 the first round after a re-enable makes their rows, so its KV holds every committed row again,
 like the draft model's catch-up from the tokens.
 """
@@ -112,6 +113,7 @@ class MTPDraft(Speculator):
         self._backlog = HostRows(head.feature_dim, head.out_norm.dtype, pin=self.device.type == "cuda")
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0
+        self._prepared = None  # (first position, rows) of a next feed that ``prepare`` staged
         # a round's feed and draft steps as one graph per (feed width, draft length) (``_run_chain``)
         self.chains = ChainGraphs(self.device) if self.graphs else None
 
@@ -151,6 +153,7 @@ class MTPDraft(Speculator):
 
     def eject(self, arena: Arena) -> int:
         """Give the pinned bytes back; the head's KV stays on the host. Returns the bytes freed."""
+        self._prepared = None
         for p in self.head.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # nothing may read the arena's bytes now
         if self._rows is not None:  # rows seen while pinned but not fed: the re-enable feeds them
@@ -186,6 +189,7 @@ class MTPDraft(Speculator):
     def _feed(self, h: torch.Tensor, tokens: list[int], start: int) -> None:
         """Append the rows (their KV) at positions start+1.. (after a gap, their own positions)."""
         n, step = len(tokens), self._step
+        self._prepared = None  # its rows overwrite the staged ones
         if n == 0:
             return
         if n <= MAX_N_Q:  # a round's rows: from pinned buffers (a pageable copy would sync the host)
@@ -260,7 +264,9 @@ class MTPDraft(Speculator):
         if len(toks) + n - 1 > CHAIN_ROWS:  # all but the last row on their own
             self._feed(h[:-1], toks[:-1], start)
             h, toks, start = h[-1:], toks[-1:], start + len(toks) - 1
-        self._stage(h, toks, start)
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[0] != start or len(toks) > prepared[1]:
+            self._stage(h, toks, start)  # (else ``prepare`` staged these rows, before the readback told their count)
         self._round = n
         return self._run_chain(len(toks), n)
 
@@ -297,6 +303,23 @@ class MTPDraft(Speculator):
         cache.commit()
         self.committed = cache.length - (n - 1)
         return out
+
+    def prepare(self, h: torch.Tensor, kept: torch.Tensor, start: int) -> None:
+        """Stage the next round's feed before this round's readback, while the device verifies (the
+        host would only wait): the feed is this round's kept rows, a prefix of the verify's w rows
+        (its states ``h`` [w, feature_dim] from position ``start``, their next tokens ``kept`` [w],
+        on the device); the drafted rows roll back now, and the head's cache stages the pass of the
+        widest feed and draft. After the readback the round that ``observe`` hands the kept rows
+        to launches at once (``_draft``); any other use of the head discards this."""
+        w = h.shape[0]
+        if not self.enabled or self._backlog or self._rows is not None or self.cache is None:
+            return
+        self.cache.truncate(self.committed)  # as ``_accepted`` does after the readback
+        self._set_offset(start)
+        self._ids.dst[:w].copy_(kept)
+        self._step.h_in[:w].copy_(h)
+        self.cache.stage_ahead(min(CHAIN_ROWS, w + self.max_width - 2))
+        self._prepared = (start, w)
 
     def propose_device(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``DraftModel.propose_device``'s contract: (tokens [n], valid [n]) without a host sync."""
