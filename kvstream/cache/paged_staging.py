@@ -3,9 +3,10 @@
 One device tensor holds a step's positions, every layer's slots and the length after each row,
 written in place by ``begin`` with one host -> device copy from a pinned staging buffer; a
 captured step reads it, so its graph stays valid while positions and slots change. A drafter
-may stage its next pass early (``stage_ahead``), while the device still works on a round. The page tables and round
-keys of a new plan reach the device the same way (``PinnedUpload``): a copy from pageable
-memory would make the host wait for the device's queued steps at every page opening."""
+may stage its next pass early (``stage_ahead``), while the device still works on a round. The
+page tables and round keys of a new plan reach the device the same way (``PinnedUpload``): a
+copy from pageable memory would make the host wait for the device's queued steps at every page
+opening."""
 
 from __future__ import annotations
 
