@@ -168,6 +168,9 @@ def title(runs) -> str:
     model, draft, device = (_values(runs, c) for c in ("model", "draft_model", "device"))
     short = lambda v: ", ".join(Path(x).name.removesuffix(".gguf") for x in v.split(", ")) if v else v
     model, draft = short(model), short(draft)
+    if "spec_type" in runs:  # a run's draft model column holds the config's default whatever it drafted with
+        types = {t for v in runs["spec_type"].dropna().astype(str) for t in v.split(",")}
+        draft = ", ".join(([draft] if draft and "draft" in types else []) + (["MTP head"] if "mtp" in types else []))
     if "random_weights" in runs and runs["random_weights"].astype(str).eq("True").any():
         model += " (random weights)"
     if "device_name" in runs and runs["device_name"].notna().any():
