@@ -64,12 +64,13 @@ def plain(model):
 
 
 def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None, step=None, head_graphs=False,
-            run_ahead=None):
+            run_ahead=None, alpha=None, new=NEW, p_min=0.0):
     """A greedy decode with the head pinned in a stream cache's arena (``step``: the model, or a
-    GraphedModel of it; ``head_graphs``: the head's steps captured, CUDA)."""
+    GraphedModel of it; ``head_graphs``: the head's steps captured, CUDA; ``alpha``: synthetic
+    acceptance, ``new`` tokens, the head's ``p_min``)."""
     from kvstream.engine.runner import mtp_head
     head = mtp_head(str(files[1]), model, str(files[0]))
-    mtp = MTPDraft(head, model.device, max_tokens=1024, graphs=head_graphs, max_width=1 + n_max)
+    mtp = MTPDraft(head, model.device, max_tokens=1024, graphs=head_graphs, max_width=1 + n_max, p_min=p_min)
     # an arena whose decode layout, the head pinned, holds 2 pages per layer: the decode streams
     cc = CacheConfig(mode="stream", ring_pages="4")
     slabs = phase_slabs(cc, model, 2048, CHUNK, 1 + n_max)
@@ -78,8 +79,9 @@ def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None,
     cache = make_cache(cc, ArenaConfig(str(nbytes / MIB)), model, 2048, CHUNK, verify_width=1 + n_max)
     chain = Chain([mtp]) if chain is None else Chain(chain(mtp))
     control = DraftControl(mtp, cache, policy or Never(), measure_in_place=len(chain) == 1)
-    g = speculative_generate(step or model, cache, PROMPT, NEW, Sampler(GREEDY, model.device), chain, n_max=n_max,
-                             prefill_chunk=CHUNK, control=control, device_rounds=device_rounds, run_ahead=run_ahead)
+    g = speculative_generate(step or model, cache, PROMPT, new, Sampler(GREEDY, model.device), chain, n_max=n_max,
+                             prefill_chunk=CHUNK, control=control, device_rounds=device_rounds, run_ahead=run_ahead,
+                             synthetic_acceptance=alpha)
     return g, mtp, control, cache
 
 
@@ -178,19 +180,25 @@ def test_the_first_draft_is_the_heads_chain_over_the_prompts_rows(model, files):
     assert len(hs) == -(-len(PROMPT) // CHUNK) and got == want.tolist()
 
 
-@pytest.mark.parametrize("policy, run_ahead, eagle3, device_rounds", [
-    (None, False, False, False), ("eject", False, False, False), ("eject", True, False, False),
-    ("eject", False, True, False), (None, False, False, True), ("eject", False, True, True)],
+@pytest.mark.parametrize("case", [
+    {}, {"policy": True}, {"policy": True, "run_ahead": True}, {"policy": True, "eagle3": True},
+    {"device_rounds": True}, {"device_rounds": True, "policy": True, "eagle3": True},
+    {"device_rounds": True, "alpha": 0.7, "new": 150}, {"device_rounds": True, "p_min": 0.05}],
     ids=["kept", "ejected and re-enabled", "ejected, plain steps run ahead", "EAGLE-3 head",
-         "device rounds (feeds staged before the readback)", "device rounds, EAGLE-3 head, ejected and re-enabled"])
-def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, files, eagle3_files, monkeypatch, policy,
-                                                                       run_ahead, eagle3, device_rounds):
+         "device rounds (feeds staged before the readback)", "device rounds, EAGLE-3 head, ejected and re-enabled",
+         "device rounds, several kept rows a round (synthetic acceptance), past a page of the head's KV",
+         "device rounds, p_min: rounds whose drafts are all masked"])
+def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, files, eagle3_files, monkeypatch, case):
     """Each round, not only the first, and after an eject and a re-enable (the rows of the tokens
     decoded while ejected made from the states kept on the host): the draft equals ``MTPHead.draft`` run from scratch over
     every committed row (a fresh dense head cache; the target's hidden states recomputed in one
     pass through a cache of the engine's page types, q8_0 / q4_0: a dense target cache's states
     differ enough to flip later drafts of this random head), so the rows fed after each
-    verification and their positions (``HeadStep.offset``) are the definition's."""
+    verification and their positions (``HeadStep.offset``) are the definition's. Device rounds
+    stage each next feed before the readback (``prepare``): with synthetic acceptance a round keeps
+    several rows (the drafts, then the target's token), and 150 tokens take the head's KV past a
+    page; with ``p_min`` some rounds draft nothing valid, and their drafted rows must still go."""
+    policy, eagle3 = case.get("policy"), case.get("eagle3")
     rounds, draft = [], MTPDraft._draft
 
     def spy(self, history, n):
@@ -201,9 +209,13 @@ def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, fi
 
     monkeypatch.setattr(MTPDraft, "_draft", spy)
     policy = Scripted(at=3, back=12) if policy else None
-    _, mtp, control, _ = run_mtp(model, eagle3_files if eagle3 else files, policy=policy, run_ahead=run_ahead,
-                                 device_rounds=device_rounds)
+    g, mtp, control, _ = run_mtp(model, eagle3_files if eagle3 else files, policy=policy,
+                                 **{k: v for k, v in case.items() if k not in ("policy", "eagle3")})
     assert len(rounds) >= 8 and [t.action for t in control.transitions] == (["eject", "reenable"] if policy else [])
+    if "alpha" in case:  # several rows kept a round, and the head's KV past its first page (256 x 3 rows)
+        assert max(r.accepted for r in g.records) >= 2 and mtp.cache.length > 768
+    if "p_min" in case:
+        assert any(r.drafted == 0 and r.speculator == "mtp" for r in g.records)
     for history, got in rounds:
         n = len(history)
         with torch.inference_mode():

@@ -596,7 +596,7 @@ def test_a_pass_staged_ahead_is_the_pass_begin_would_stage(model, tokens):
     assert staged(241, 3)[4] == 1  # another length
     c.stage_ahead(2)
     assert staged(241, 3)[4] == 1  # wider than staged
-    c.stage_ahead(8)  # rows 249..256: past the planned page
-    got = staged(249, 8)
+    got = staged(249, 8, ahead=8)  # rows 249..256 staged before page 1 had a slot in the tables
     assert got[4] == 1  # page 1 opens in the begin (new tables): staged anew
-    assert torch.equal(got[2], staged(249, 8)[2]) and int(got[2][0, -1]) // PAGE_TOKENS != int(got[2][0, 0]) // PAGE_TOKENS
+    fresh = staged(249, 8)  # (the tables now hold page 1)
+    assert torch.equal(got[2], fresh[2]) and int(got[2][0, -1]) // PAGE_TOKENS != int(got[2][0, 0]) // PAGE_TOKENS

@@ -134,7 +134,7 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
             if self._plan_version != version:
                 self.stats.plan_change, self.stats.plan_s = "plan", time.perf_counter() - t0
         self._n = n
-        if n <= MAX_N_Q:  # decode widths: computed on the host, one copy into the static buffers
+        if n <= MAX_N_Q:  # decode widths: computed on the host, one copy into the static buffers (or staged ahead)
             pos, slots = self._staged(n)
         else:  # prefill chunks: on the device
             pos = torch.arange(self.length, self.length + n, device=self.device)

@@ -49,9 +49,9 @@ class StepStaging:
 
     def _init_step_buffers(self, n_layers: int) -> None:
         # static step buffers, written in place by begin: a captured step (kvstream.engine.graphs)
-        # reads them. One tensor (positions, every layer's slots, the length), so a decode step
-        # fills it with one host->device copy instead of ~10 small kernels
-        # and the length after each row (``sub_pass``)
+        # reads them. One tensor (positions, every layer's slots, a prefill chunk's length, the
+        # length after each row: a decode pass's and a ``sub_pass``'s), so a decode step fills it
+        # with one host->device copy instead of ~10 small kernels
         w, e = MAX_N_Q, MAX_N_Q * (1 + n_layers)
         self._step = torch.zeros(e + 1 + w, dtype=torch.int64, device=self.device)
         self._pos, self._len, self._lens = self._step[:w], self._step[e:e + 1], self._step[e + 1:]

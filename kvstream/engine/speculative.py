@@ -28,8 +28,8 @@ reads back the accepted count and the tokens once, with the draft's and the veri
 times (CUDA events). The output is the same as the host round's: a masked token is never
 accepted, and the token after the accepted prefix is the target's argmax there. A drafter with
 ``prepare`` (the MTP head) stages its next round's feed before that readback, from the verify's
-states and the kept tokens on the device (``kept_on_device``): after the readback the host only
-launches the next round.
+states and the kept tokens on the device (``kept_on_device``): after the readback the host
+launches the next round without staging it.
 """
 
 from __future__ import annotations
@@ -145,7 +145,8 @@ class _DeviceRound:
         t2 = self._mark(2)  # before the readback's own event: done when the read returns, so readable
         rb.start(result)
         prepare = getattr(winner, "prepare", None) if hidden else None
-        if prepare is not None:  # the next round's feed, staged while the device verifies
+        if prepare is not None:  # the next round's feed, staged while the device verifies (its few device
+            # copies fall between the verify's events and the next draft's: in neither part's time)
             prepare(h[:1 + n], kept_on_device(result, n), len(history) - 1)
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]

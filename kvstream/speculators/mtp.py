@@ -21,7 +21,8 @@ warm-up for the longest draft, so a round costs the host one launch instead of o
 as separate captured steps, a round's feed and 4 steps cost 1.5 ms at 4K on the H200, twice
 their device time: ``results/mtp_h200_graphed``). In device rounds the next round's feed is staged
 before the round's readback (``prepare``: the verify's states and the kept tokens on the device,
-the head's pass staged ahead), so the readback is followed by the launch alone. Feeds too wide
+the head's pass staged ahead), so after the readback the host launches the next round without
+staging it. Feeds too wide
 for one pass (the prompt's last chunk) and a re-enable's catch-up run as separate steps, each a
 graph per width (``HeadStep`` through ``GraphedModel``). While ejected the head still reads the
 target's states, into host memory (``feature_dim`` values a token);
@@ -333,6 +334,8 @@ class MTPDraft(Speculator):
         if n_valid:
             self.stats.drafts += 1
             self.stats.drafted_tokens += n_valid
+        else:  # every draft masked (p_min): no feedback comes (Speculator.accepted), so the drafted rows go now
+            self.cache.truncate(self.committed)
 
     def _propose(self, history: list[int], n_max: int, state) -> list[int]:
         out = self._draft(history, n_max)
