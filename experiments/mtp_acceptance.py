@@ -7,7 +7,9 @@ Each prompt (``--prompts`` held-out files of the head's corpus split, then the d
 studies' review prompt) is decoded greedily twice, in plain torch with a dense cache: by the
 target alone, and with the head drafting ``k`` tokens per round (the target verifies
 [last token + drafts] in one pass, keeps the longest prefix equal to its own argmax and adds its
-next token). The two outputs must be identical. Written to ``--out``:
+next token). In fp32 the two outputs are identical; in bf16 / fp16 a verify pass rounds
+differently from one-row steps, so a near-tie may flip and the decodes part (the token where they
+do: ``same_as_plain_until``). Written to ``--out``:
 
 - ``rounds.csv``: one row per drafting round (prompt, context, drafted, accepted);
 - ``acceptance.csv``: per prompt and draft position j, the share of rounds whose first j drafts
@@ -16,7 +18,8 @@ next token). The two outputs must be identical. Written to ``--out``:
   k + 1) and one head step, each captured as a CUDA graph at the prompt's length and replayed
   (dense cache, SDPA), and the speed-up those costs and the measured tokens per round PROJECT for
   a drafting round: tokens per round x t_step / (t_verify + k x t_head). It is a projection from
-  measured parts, not a measured decode (the engine does not yet drive an MTP head).
+  measured parts, not a measured decode (the engine's: ``experiments.draft_threshold`` with
+  ``spec=mtp``).
 """
 
 from __future__ import annotations
