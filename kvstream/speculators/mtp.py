@@ -22,12 +22,11 @@ as separate captured steps, a round's feed and 4 steps cost 1.5 ms at 4K on the 
 their device time: ``results/mtp_h200_graphed``). In device rounds the next round's feed is staged
 before the round's readback (``prepare``: the verify's states and the kept tokens on the device,
 the head's pass staged ahead), so after the readback the host launches the next round without
-staging it. Feeds too wide
-for one pass (the prompt's last chunk) and a re-enable's catch-up run as separate steps, each a
-graph per width (``HeadStep`` through ``GraphedModel``). While ejected the head still reads the
-target's states, into host memory (``feature_dim`` values a token);
-the first round after a re-enable makes their rows, so its KV holds every committed row again,
-like the draft model's catch-up from the tokens.
+staging it. Feeds too wide for one pass (the prompt's last chunk) and a re-enable's catch-up run
+as separate steps, each a graph per width (``HeadStep`` through ``GraphedModel``). While ejected
+the head still reads the target's states, into host memory (``feature_dim`` values a token); the
+first round after a re-enable makes their rows, so its KV holds every committed row again, like
+the draft model's catch-up from the tokens.
 """
 
 from __future__ import annotations
@@ -311,7 +310,7 @@ class MTPDraft(Speculator):
         (its states ``h`` [w, feature_dim] from position ``start``, their next tokens ``kept`` [w],
         on the device); the drafted rows roll back now, and the head's cache stages the pass of the
         widest feed and draft. After the readback the round that ``observe`` hands the kept rows
-        to launches at once (``_draft``); any other use of the head discards this."""
+        to launches without staging them (``_draft``); any other use of the head discards this."""
         w = h.shape[0]
         if not self.enabled or self._backlog or self._rows is not None or self.cache is None:
             return
