@@ -50,8 +50,9 @@ def _timed(fn, times: dict, key: str):
 
 
 @torch.inference_mode()
-def measure(path, context: int, steps: int, device: str, profile: bool = False, weights: str = "dense"):
-    cfg = kvstream_config(device, "resident", steps + 1, weights=weights)
+def measure(path, context: int, steps: int, device: str, profile: bool = False, weights: str = "dense",
+            gemv: bool = False):
+    cfg = kvstream_config(device, "resident", steps + 1, weights=weights, gemv=gemv)
     model, tok = kvstream_model(path, cfg)
     prompt = review_prompt(tok, context, INSTRUCTION)
     cache = make_cache(cfg.cache, cfg.arena, model, len(prompt) + steps + 1, cfg.prefill_chunk)
@@ -135,18 +136,20 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/step")
     ap.add_argument("--profile", action="store_true", help="also the captured step's GPU time by kernel (CUDA)")
     ap.add_argument("--weights", default="dense", choices=["dense", "q8_0"], help="model.weights: the matrices' format")
+    ap.add_argument("--gemv", action="store_true", help="model.gemv: decode matmuls by kernels/gemv.py with PDL")
     args = ap.parse_args(argv)
     if args.report:
         print(report(args.report).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
         return
     if args.steps < 2:
         raise SystemExit(f"--steps must be >= 2 (got {args.steps}): the first step is not counted")
-    df, kernels = measure(resolve_model(args.model), args.context, args.steps, args.device, args.profile, args.weights)
-    meta = dict(model=args.model, weights=args.weights, context=args.context, **provenance(),
+    df, kernels = measure(resolve_model(args.model), args.context, args.steps, args.device, args.profile, args.weights,
+                          args.gemv)
+    meta = dict(model=args.model, weights=args.weights, gemv=args.gemv, context=args.context, **provenance(),
                 command=" ".join(["python"] + sys.argv))  # every CSV names what produced it
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "" if args.weights == "dense" else f"_{args.weights}"
+    tag = ("" if args.weights == "dense" else f"_{args.weights}") + ("_gemv" if args.gemv else "")
     name = f"step_{args.device.split(':')[0]}_{Path(args.model).name}_{args.context}{tag}.csv"
     df.assign(**meta).to_csv(out / name, index=False)
     med = df.iloc[1:].median()  # the first step carries the warm-up's tail

@@ -134,11 +134,12 @@ def load_target(cfg: GenerateConfig):
     return _TARGETS[key]
 
 
-def kvstream_config(device, mode, new, graphs=True, weights="dense"):
+def kvstream_config(device, mode, new, graphs=True, weights="dense", gemv=False):
     """A run of ``new`` tokens (EOS ignored, default sampling: greedy) in cache ``mode``, arena sized
-    automatically, the model's matrices ``weights`` (dense or q8_0)."""
+    automatically, the model's matrices ``weights`` (dense or q8_0), their decode rows by
+    ``kernels/gemv.py`` when ``gemv``."""
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return GenerateConfig(model=ModelSource(weights=weights), hardware=Hardware(device, dtype), cache=CacheConfig(mode=mode),
+    return GenerateConfig(model=ModelSource(weights=weights, gemv=gemv), hardware=Hardware(device, dtype), cache=CacheConfig(mode=mode),
                           arena=ArenaConfig("auto"),
                           max_new_tokens=new, ignore_eos=True, engine=EngineConfig(cuda_graphs=graphs))
 
@@ -148,10 +149,11 @@ _BY_PATH: dict = {}  # (path, weight format) -> (model, tokenizer): the kvstream
 
 def kvstream_model(path, cfg):
     """(model, tokenizer) of the GGUF at ``path`` with ``cfg``'s weight format, loaded once per process."""
-    key = (path, cfg.model.weights)
+    key = (path, cfg.model.weights, cfg.model.gemv)
     if key not in _BY_PATH:
         reader = open_gguf(path)
-        model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, weights=cfg.model.weights)
+        model = load_model(reader, cfg.hardware.torch_dtype, cfg.hardware.device, weights=cfg.model.weights,
+                           gemv=cfg.model.gemv)
         _BY_PATH[key] = model, Tokenizer.from_gguf(reader)
     return _BY_PATH[key]
 

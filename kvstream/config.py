@@ -56,11 +56,15 @@ class ModelSource:
     #                                     the context its rope was trained for, on purpose (results/long_context)
     weights: str = "dense"              # dense (hardware.dtype) | q8_0: matrices in q8_0 blocks, quantized from
     #                                     the file's values at load (kernels/q8_linear.py reads them on CUDA)
+    gemv: bool = False                  # CUDA, dense weights: the layers' decode matmuls (<= 8 rows) by kernels/gemv.py,
+    #                                     each launched to read its weights while the kernel before it ends (PDL)
 
     def __post_init__(self):
         if self.rope_scaling is not None:
             _choose("model.rope_scaling", self.rope_scaling, ("none", "yarn"))
         _choose("model.weights", self.weights, WEIGHT_FORMATS)
+        if self.gemv and self.weights != "dense":
+            raise ValueError(f"model.gemv=true reads dense weights: not with model.weights={self.weights}")
         if self.rope_factor is not None and not self.rope_factor >= 1:
             raise ValueError(f"model.rope_factor={self.rope_factor}: give a factor >= 1")
         if self.yarn_orig_ctx is not None and self.yarn_orig_ctx < 1:
@@ -80,8 +84,8 @@ class ModelSource:
 
     @property
     def load(self) -> dict:
-        """``load_model``'s keyword arguments: the rope overrides and the weight format."""
-        return self.rope | {"weights": self.weights}
+        """``load_model``'s keyword arguments: the rope overrides, the weight format and the matmuls."""
+        return self.rope | {"weights": self.weights, "gemv": self.gemv}
 
 
 @dataclass

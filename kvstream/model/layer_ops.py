@@ -37,10 +37,12 @@ class Rope:
 
 
 class LayerOps:
-    """add + RMSNorm, RoPE and SwiGLU for one device."""
+    """add + RMSNorm, RoPE and SwiGLU for one device. ``pdl``: the norm and SwiGLU kernels launch as
+    programmatic dependents of the kernel before (CUDA; with ``model.gemv``, whose matmuls do too)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pdl: bool = False):
         self.triton = device.type == "cuda"
+        self.pdl = pdl and self.triton
         if self.triton:
             from kernels import rms_norm, swiglu
 
@@ -48,7 +50,9 @@ class LayerOps:
 
     def add_rms_norm(self, x, w, eps, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, RMSNorm(x + delta) * w); x itself when delta is None."""
-        return (self._norm if self.triton else reference.add_rms_norm)(x, w, eps, delta)
+        if self.triton:
+            return self._norm(x, w, eps, delta, pdl=self.pdl)
+        return reference.add_rms_norm(x, w, eps, delta)
 
     def rope(self, pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float) -> Rope:
         """The RoPE of a pass whose rows sit at ``pos``: the kernel computes the angles itself, the
@@ -56,4 +60,4 @@ class LayerOps:
         return Rope(pos, inv_freq, scale, dtype, self.triton)
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
-        return (self._silu_mul if self.triton else reference.silu_mul)(gu)
+        return self._silu_mul(gu, pdl=self.pdl) if self.triton else reference.silu_mul(gu)

@@ -77,12 +77,17 @@ class Layer:
 class Qwen:
     """Weights of a Qwen2/Qwen3 model and its forward pass. ``weight_format`` q8_0 holds the
     matrices (``weights.MATRICES``) in q8_0 blocks, quantized from ``weights``' values, and the
-    rest in ``dtype`` (default: the weights' dtype), which is also the activations' dtype."""
+    rest in ``dtype`` (default: the weights' dtype), which is also the activations' dtype.
+    ``gemv``: on CUDA the layers' dense matrices take decode rows through ``kernels/gemv.py`` and
+    the layer kernels launch as programmatic dependents (``model.gemv``)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str = "dense",
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, gemv: bool = False):
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format {weight_format!r}: one of {', '.join(WEIGHT_FORMATS)}")
+        if gemv and weight_format != "dense":
+            raise ValueError(f"gemv reads dense weights, not {weight_format}")
+        self.gemv = gemv
         self.cfg = cfg
         w = dict(weights)  # fusing pops the parts from this copy; the caller's dict keeps them until we return
         self.embed = w["token_embd.weight"]
@@ -92,7 +97,7 @@ class Qwen:
         self.layers = [Layer.from_weights(w, i) for i in range(cfg.n_layers)]
         if weight_format == "q8_0" or self._dtype != self.embed.dtype:
             self._convert(weight_format == "q8_0")
-        self.ops = LayerOps(self.embed.device)
+        self.ops = LayerOps(self.embed.device, gemv)
         yarn = asdict(cfg.yarn) if cfg.yarn else {}
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_base, self.embed.device, **yarn)
 
@@ -160,15 +165,15 @@ class Qwen:
             x, h = ops.add_rms_norm(x, L.attn_norm, eps, delta)  # the previous block's residual add too
             if i in taps:  # the stream entering block i
                 tapped[i] = x
-            qkv = linear(h, L.wqkv, L.bqkv)
+            qkv = linear(h, L.wqkv, L.bqkv, self.gemv)
             # q and k heads side by side: one RoPE over both, which a paged cache fuses into its store
             qk = qkv[:, :qk_width].view(n, -1, D)
             v = qkv[:, qk_width:].view(n, cfg.n_kv_heads, D)
             if L.q_norm is not None:
                 qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)), 1)
             a = cache.attend_rope(i, qk, v, rope).reshape(n, H * D)
-            x, h = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a, L.wo))
-            delta = linear(ops.silu_mul(linear(h, L.w_gate_up)), L.w_down)
+            x, h = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a, L.wo, None, self.gemv))
+            delta = linear(ops.silu_mul(linear(h, L.w_gate_up, None, self.gemv)), L.w_down, None, self.gemv)
         if not all_logits and not hidden:
             x, delta = x[-1:], delta[-1:]
         x, h = ops.add_rms_norm(x, self.out_norm, eps, delta)
@@ -210,7 +215,7 @@ class Qwen:
                         for i, L in enumerate(self.layers)]
         other.inv_freq = self.inv_freq.to(other.embed.device)
         other._dtype = other.out_norm.dtype  # the activations' dtype follows the (always dense) norms
-        other.ops = LayerOps(other.embed.device)
+        other.ops = LayerOps(other.embed.device, self.gemv)
         return other
 
     def new_cache(self, max_tokens: int):
@@ -219,15 +224,15 @@ class Qwen:
 
 
 def load_model(gguf, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               weights: str = "dense", **rope) -> Qwen:
+               weights: str = "dense", gemv: bool = False, **rope) -> Qwen:
     """Load a GGUF (a path, or an open ``GGUFReader``) into a :class:`Qwen` on ``device`` in ``dtype``,
     its matrices in q8_0 blocks with ``weights="q8_0"`` (quantized from the file's values in fp32);
     ``rope`` (rope_scaling, rope_factor, yarn_orig_ctx, max_context) overrides the file's rope
-    scaling (``read_config``)."""
+    scaling (``read_config``); ``gemv``: see :class:`Qwen`."""
     reader = gguf if isinstance(gguf, GGUFReader) else open_gguf(gguf)
     cfg = read_config(reader, **rope)
     if weights == "dense":
-        return Qwen(cfg, load_weights(reader, cfg, dtype, device))
+        return Qwen(cfg, load_weights(reader, cfg, dtype, device), gemv=gemv)
     # quantized on the host, so the device never holds the fp32 source weights (4x the bf16 model)
-    host = Qwen(cfg, load_weights(reader, cfg, torch.float32, "cpu"), weights, dtype)
+    host = Qwen(cfg, load_weights(reader, cfg, torch.float32, "cpu"), weights, dtype, gemv)
     return host if torch.device(device).type == "cpu" else host.map_tensors(lambda _, t: t.to(device))

@@ -56,9 +56,16 @@ class Q8:
             tokens.shape[0], -1).to(dtype)
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w^T (+ bias) for a dense or q8_0 weight: the Triton kernel on CUDA, its reference elsewhere."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
+    """x @ w^T (+ bias) for a dense or q8_0 weight: the Triton kernel on CUDA, its reference elsewhere.
+    ``gemv``: a dense weight's single decode row on CUDA goes through ``kernels/gemv.py``, launched
+    as a programmatic dependent of the kernel before (its weight read while that kernel ends); more
+    rows (a verify batch, a prefill) stay with cuBLAS, faster there (results/kernels/gemv)."""
     if not isinstance(w, Q8):
+        if gemv and x.is_cuda and x.shape[0] == 1:
+            from kernels.gemv import gemv as cuda_core_gemv
+
+            return cuda_core_gemv(x, w, bias, pdl=True)
         return F.linear(x, w, bias)
     if x.is_cuda:
         from kernels.q8_linear import q8_linear

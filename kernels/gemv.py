@@ -1,0 +1,109 @@
+"""Dense decode matmuls: y = x @ W^T (+ bias) for a few rows x [n <= 8, K] and a bf16/fp16/fp32
+W [N, K], on the CUDA cores, the weight's first tile read before the previous kernel ends.
+
+A decode step's matmuls are reads of their weights, and the 1.5B's small ones are latency-bound:
+cuBLAS takes 5-6 us for Q/K/V (6.3 MB, 1.5 us of bytes) and output (4.7 MB, 1.1 us), so a step's
+matmuls run at 59% of the read ceiling (kernels/NOTES.md). A weight does not depend on the
+previous kernel, so with programmatic dependent launch (``pdl=True``: the launch may begin
+while the kernel before it runs, ``gdc_wait`` then waits for that kernel's writes) each program
+loads its first weight tile, waits, then reads x. Without PDL the wait is a no-op.
+
+One program per ``block_n`` output columns: it streams its rows of W in [block_n, block_k]
+tiles (16-byte loads along K), multiplies each tile by every row of x in fp32 and reduces over
+K in fp32; the sum, plus the bias in fp32, is rounded once to x's dtype. Only the fp32
+summation order differs from ``x.float() @ W.float().T`` (tests/kernels/test_gemv.py).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# rows a call takes. Each row is its own reduction over K: at 5 rows the kernel took 1.5-4.4x cuBLAS's
+# time on the 1.5B's Q/K/V, gate/up and down (results/kernels/gemv), so the model sends it single rows
+MAX_ROWS = 8
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Launch(NamedTuple):
+    block_n: int  # output columns (rows of W) per program
+    block_k: int  # K per tile
+    num_warps: int
+
+
+@triton.jit
+def _gemv_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
+                 ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, WAIT: tl.constexpr):
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_k = tl.arange(0, BLOCK_K)
+    p_w = w + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :]
+    # the first tile before the wait: W is never written by the kernel this one may overlap
+    b_w = tl.load(p_w, mask=m_n[:, None] & (o_k[None, :] < K), other=0.0)
+    if WAIT:  # (a no-op unless launched as a programmatic dependent)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights
+    o_r = tl.arange(0, ROWS_P)
+    acc = tl.zeros([ROWS_P, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_kk = k0 + o_k
+        # the next tile in flight while this one is used (masked off past K)
+        b_w_next = tl.load(p_w + k0 + BLOCK_K, mask=m_n[:, None] & (o_kk[None, :] + BLOCK_K < K), other=0.0)
+        f_w = b_w.to(tl.float32)
+        for r in tl.static_range(ROWS):
+            b_x = tl.load(x + r * stride_x + o_kk, mask=o_kk < K, other=0.0).to(tl.float32)
+            part = tl.sum(f_w * b_x[None, :], 1)
+            acc = tl.where(o_r[:, None] == r, acc + part[None, :], acc)
+        b_w = b_w_next
+    if HAS_BIAS:
+        acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    p_o = out + o_r[:, None] * stride_o + o_n[None, :]
+    tl.store(p_o, acc.to(out.dtype.element_ty), mask=(o_r[:, None] < ROWS) & m_n[None, :])
+
+
+def launch_for(n: int, k: int) -> Launch:
+    """W [n, k]'s launch. The rule gives the fastest launch of the 1.5B's four matrices in a sweep on
+    the H200 at one row with PDL (results/kernels/gemv/sweep.csv): 4 columns a program (2 for a long
+    K, as down's 8960: more programs in flight), 2048-wide K tiles on 8 warps, but 1024 on 4 warps
+    for a matrix of many rows (gate/up's 17920: 4480 programs; 18.3 against 16.0 us with 2048)."""
+    block_k = min(triton.next_power_of_2(k), 1024 if n >= 8192 else 2048)
+    return Launch(2 if k >= 4096 else 4, block_k, 8 if block_k == 2048 else 4)
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """A Triton launch's keywords for a programmatic dependent launch (or none)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False,
+         launch: Launch | None = None) -> torch.Tensor:
+    """x [n <= 8, K] @ w[N, K]^T (+ bias [N]) -> [n, N] in x's dtype. ``pdl``: launch as a
+    programmatic dependent of the kernel before it (CUDA, sm_90+): W's first tile is read before
+    that kernel's writes are waited for. ``launch``: override ``launch_for``'s choice (sweeps)."""
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in DTYPES:
+        raise ValueError(f"x must be [n, K] in {DTYPES} with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)} stride {x.stride()}")
+    n, k = x.shape
+    if not 1 <= n <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {n}")
+    if w.dim() != 2 or w.shape[1] != k or w.stride(-1) != 1 or w.dtype not in DTYPES:
+        raise ValueError(f"w must be [N, {k}] in {DTYPES} with contiguous rows, got {w.dtype} "
+                         f"{tuple(w.shape)} stride {w.stride()}")
+    n_out = w.shape[0]
+    if bias is not None and (bias.shape != (n_out,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [{n_out}], got {tuple(bias.shape)}")
+    if not x.device == w.device == (bias.device if bias is not None else w.device):
+        raise ValueError(f"x, w and bias must share a device, got {x.device}, {w.device}, "
+                         f"{bias.device if bias is not None else None}")
+    cfg = launch or launch_for(n_out, k)
+    out = torch.empty((n, n_out), dtype=x.dtype, device=x.device)
+    cuda = x.device.type == "cuda"
+    _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+        x, w, bias if bias is not None else w, out, n_out, k, x.stride(0), w.stride(0), out.stride(0),
+        ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, WAIT=cuda, num_warps=cfg.num_warps,
+        **pdl_launch(pdl and cuda))
+    return out
