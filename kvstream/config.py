@@ -56,7 +56,7 @@ class ModelSource:
     #                                     the context its rope was trained for, on purpose (results/long_context)
     weights: str = "dense"              # dense (hardware.dtype) | q8_0: matrices in q8_0 blocks, quantized from
     #                                     the file's values at load (kernels/q8_linear.py reads them on CUDA)
-    gemv: bool = False                  # CUDA, dense weights: the layers' decode matmuls (<= 8 rows) by kernels/gemv.py,
+    gemv: bool = False                  # CUDA, dense weights: the layers' single-row decode matmuls by kernels/gemv.py,
     #                                     each launched to read its weights while the kernel before it ends (PDL)
 
     def __post_init__(self):
