@@ -38,6 +38,7 @@ import triton.language as tl
 
 from kernels.formats import PAGE_TOKENS, PageFormat
 from kernels.gather import load_tile, use_asm
+from kernels.pdl import launch as pdl_launch, wait_then_release
 from kernels.reference import LOG2E, Partials
 from kernels.store import check_pool
 
@@ -117,7 +118,9 @@ def _decode_attention_kernel(
     ROUND: tl.constexpr,  # the splits of one call over [0, L); this call runs their tiles in [ks, ke)
     CARRY: tl.constexpr,  # ROUND: start from the state the partials rows hold (an earlier round's)
     ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     NB: tl.constexpr = HEAD_DIM // 32
     TPP: tl.constexpr = 256 // BLOCK_N  # tiles per page
     # int64 where a value can pass 2^31: page * PAGE_BYTES (in load_tile); positions, rows
@@ -229,7 +232,9 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     # one program per (row, BLOCK_D columns): all splits' loads in flight at once (a loop
     # of dependent loads in 12 programs took 19 us at 132 splits)
     i_r = tl.program_id(0)  # row = i_q * N_HEADS + head
@@ -306,7 +311,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      scale: float | None = None, key_start=None, key_end=None,
                      n_splits: int | None = None, return_partials: bool = False,
                      out: torch.Tensor | None = None, partials: Partials | None = None,
-                     carry: bool | None = None):
+                     carry: bool | None = None, pdl: bool = False):
     """Attention of q [n_q, n_heads, head_dim] over paged K/V: out [n_q, n_heads, head_dim]
     in q.dtype, or its Partials ([n_splits, n_q, n_heads(, head_dim)] fp32) when
     return_partials. seq_len, key_start, key_end: int or 1-element int tensor on q's device.
@@ -319,7 +324,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     on its own tiles, each split continuing from the state an earlier round left in
     ``partials`` (``carry=True``; the first round ``carry=False`` starts it): the same tiles in
     the same order, the same sums. Earlier rounds return the state (``return_partials=True``);
-    the last one (``return_partials=False``) the output, bit-identical to one call's."""
+    the last one (``return_partials=False``) the output, bit-identical to one call's.
+    ``pdl``: this call's kernels launch as programmatic dependents of the kernel before them
+    (CUDA, ``kernels/pdl.py``)."""
     if q.dim() != 3 or q.dtype not in Q_DTYPES or q.stride(-1) != 1:
         raise ValueError(f"q must be [n_q, n_heads, head_dim] in {Q_DTYPES} with last dim "
                          f"contiguous, got {q.dtype} {tuple(q.shape)} stride {q.stride()}")
@@ -390,19 +397,19 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         V_FMT=v_fmt.kv_type.code, V_PAGE_BYTES=v_fmt.page_bytes, V_SCALE_OFF=v_fmt.scale_offset,
         BLOCK_M=block_m, BLOCK_N=launch.block_n,
         HAS_START=key_start is not None, HAS_END=key_end is not None, WRITE_OUT=write_out,
-        ROUND=carry is not None, CARRY=bool(carry), ASM=use_asm(dev),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        ROUND=carry is not None, CARRY=bool(carry), ASM=use_asm(dev), PDL=pdl and dev.type == "cuda",
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(pdl and dev.type == "cuda"),
         **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}),
     )
     if return_partials:
         return part
     if not write_out:
-        merge(part, out=out)
+        merge(part, out=out, pdl=pdl)
     return out
 
 
 def merge(*parts: Partials, out: torch.Tensor | None = None,
-          dtype: torch.dtype = torch.float16) -> torch.Tensor:
+          dtype: torch.dtype = torch.float16, pdl: bool = False) -> torch.Tensor:
     """Combine partials over disjoint key sets (any split counts) -> out [n_q, n_heads, D].
     An empty split (m = -inf, l = 0) weighs 0, and its acc is read: it must be finite (the
     attention kernel writes zeros)."""
@@ -428,6 +435,6 @@ def merge(*parts: Partials, out: torch.Tensor | None = None,
     _merge_kernel[grid](
         m, l, acc, out, m.shape[0], out.stride(0), out.stride(1),
         N_ROWS=n_q * n_heads, N_HEADS=n_heads, HEAD_DIM=d, BLOCK_S=block_s,
-        BLOCK_D=MERGE_BLOCK_D, num_warps=4,
+        BLOCK_D=MERGE_BLOCK_D, PDL=pdl and m.is_cuda, num_warps=4, **pdl_launch(pdl and m.is_cuda),
     )
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch as pdl_launch
+
 # rows a call takes. Each row is its own reduction over K: at 5 rows the kernel took 1.5-4.4x cuBLAS's
 # time on the 1.5B's Q/K/V, gate/up and down (results/kernels/gemv), so the model sends it single rows
 MAX_ROWS = 8
@@ -71,11 +73,6 @@ def launch_for(n: int, k: int) -> Launch:
     for a matrix of many rows (gate/up's 17920: 4480 programs; 18.3 against 16.0 us with 2048)."""
     block_k = min(triton.next_power_of_2(k), 1024 if n >= 8192 else 2048)
     return Launch(2 if k >= 4096 else 4, block_k, 8 if block_k == 2048 else 4)
-
-
-def pdl_launch(pdl: bool) -> dict:
-    """A Triton launch's keywords for a programmatic dependent launch (or none)."""
-    return {"launch_pdl": True} if pdl else {}
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False,

@@ -13,15 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import pdl_launch as _pdl
+from kernels.pdl import launch as pdl_launch, wait_then_release
 
 
 @triton.jit
 def _add_rms_norm_kernel(x, delta, w, s_out, y_out, row_stride, hidden, eps,
                          HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched as a programmatic dependent: wait for the kernel before, let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
     m = o < hidden
@@ -40,7 +38,7 @@ def _add_rms_norm_kernel(x, delta, w, s_out, y_out, row_stride, hidden, eps,
 def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, hidden] (rows may be strided), w [hidden], delta [n, hidden] contiguous or None.
-    ``pdl``: launched as a programmatic dependent of the kernel before (CUDA; ``kernels/gemv.py``)."""
+    ``pdl``: launched as a programmatic dependent of the kernel before (CUDA; ``kernels/pdl.py``)."""
     if x.dim() != 2 or x.stride(-1) != 1 or w.shape != (x.shape[1],):
         raise ValueError(f"x must be [n, hidden] with contiguous rows and w [hidden], got "
                          f"{tuple(x.shape)} stride {x.stride()} and w {tuple(w.shape)}")
@@ -53,5 +51,5 @@ def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     block = triton.next_power_of_2(hidden)
     _add_rms_norm_kernel[(n,)](x, delta if delta is not None else x, w, s, y, x.stride(0), hidden, eps,
                                HAS_DELTA=delta is not None, BLOCK=block, PDL=pdl and x.is_cuda,
-                               num_warps=4 if block <= 2048 else 8, **_pdl(pdl and x.is_cuda))
+                               num_warps=4 if block <= 2048 else 8, **pdl_launch(pdl and x.is_cuda))
     return s, y

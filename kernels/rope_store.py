@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch as pdl_launch, wait_then_release
 from kernels.formats import PageFormat
 from kernels.rope import cos_sin, rotate
 from kernels.store import ROW_DTYPES, check_pool, store_row
@@ -51,7 +52,9 @@ def _rope_store_kernel(
     V_FMT: tl.constexpr,
     V_PAGE_BYTES: tl.constexpr,
     V_SCALE_OFF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     NB: tl.constexpr = HEAD_DIM // 32
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
@@ -90,8 +93,9 @@ def _rope_store_kernel(
 
 def rope_store(qk: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
                k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k_fmt: PageFormat,
-               v_fmt: PageFormat, scale: float = 1.0) -> torch.Tensor:
-    """Rotate q, rotate and store K, store V (module docstring); returns q [n, n_heads, D]."""
+               v_fmt: PageFormat, scale: float = 1.0, pdl: bool = False) -> torch.Tensor:
+    """Rotate q, rotate and store K, store V (module docstring); returns q [n, n_heads, D].
+    ``pdl``: launched as a programmatic dependent of the kernel before (CUDA, ``kernels/pdl.py``)."""
     h, d = k_fmt.n_kv_heads, k_fmt.head_dim
     if (v_fmt.n_kv_heads, v_fmt.head_dim) != (h, d):
         raise ValueError(f"K and V formats must agree on n_kv_heads and head_dim: {k_fmt} vs {v_fmt}")
@@ -117,6 +121,6 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, inv_freq: t
             float(scale), N_HEADS=n_heads, N_KV_HEADS=h, HEAD_DIM=d,
             K_FMT=k_fmt.kv_type.code, K_PAGE_BYTES=k_fmt.page_bytes, K_SCALE_OFF=k_fmt.scale_offset,
             V_FMT=v_fmt.kv_type.code, V_PAGE_BYTES=v_fmt.page_bytes, V_SCALE_OFF=v_fmt.scale_offset,
-            num_warps=1, enable_fp_fusion=False,
+            PDL=pdl and qk.is_cuda, num_warps=1, enable_fp_fusion=False, **pdl_launch(pdl and qk.is_cuda),
         )
     return q

@@ -10,16 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import pdl_launch as _pdl
+from kernels.pdl import launch as pdl_launch, wait_then_release
 
 BLOCK = 1024
 
 
 @triton.jit
 def _silu_mul_kernel(gu, out, ffn, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched as a programmatic dependent: wait for the kernel before, let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = o < ffn
@@ -31,11 +29,11 @@ def _silu_mul_kernel(gu, out, ffn, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 
 def silu_mul(gu: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """``pdl``: launched as a programmatic dependent of the kernel before (CUDA; ``kernels/gemv.py``)."""
+    """``pdl``: launched as a programmatic dependent of the kernel before (CUDA; ``kernels/pdl.py``)."""
     if gu.dim() != 2 or not gu.is_contiguous() or gu.shape[1] % 2:
         raise ValueError(f"gu must be a contiguous [n, 2 * ffn], got {tuple(gu.shape)} contiguous={gu.is_contiguous()}")
     n, ffn = gu.shape[0], gu.shape[1] // 2
     out = torch.empty((n, ffn), dtype=gu.dtype, device=gu.device)
     _silu_mul_kernel[(n, triton.cdiv(ffn, BLOCK))](gu, out, ffn, BLOCK=BLOCK, PDL=pdl and gu.is_cuda, num_warps=4,
-                                                          **_pdl(pdl and gu.is_cuda))
+                                                          **pdl_launch(pdl and gu.is_cuda))
     return out

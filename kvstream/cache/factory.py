@@ -159,5 +159,5 @@ def make_cache(cache: CacheConfig, arena: ArenaConfig, model, max_tokens: int, p
     return PagedCache(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, max_tokens=max_tokens,
                       type_k=cache.type_k, type_v=cache.type_v, mode=cache.mode, arena=Arena(nbytes, model.device),
                       ring_pages=ring, slabs=slabs, verify_width=verify_width, time_waits=cache.time_waits,
-                      rotate=cache.rotate,
+                      rotate=cache.rotate, pdl=getattr(model, "gemv", False),
                       residency=RESIDENCY[cache.residency](step=int(cache.residency_step)))

@@ -21,10 +21,13 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 class KVOps:
-    """store (alone or after RoPE) / gather / attention (in one call or in rounds) for one device."""
+    """store (alone or after RoPE) / gather / attention (in one call or in rounds) for one device.
+    ``pdl``: a decode pass's kernels (RoPE + store, attention, merge) launch as programmatic
+    dependents of the kernel before them (CUDA, ``kernels/pdl.py``; with ``model.gemv``)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pdl: bool = False):
         self.triton = device.type == "cuda"
+        self.pdl = pdl and self.triton
         if self.triton:
             from kernels import decode_attention, gather, rope_store, store
 
@@ -39,7 +42,8 @@ class KVOps:
         """RoPE over qk [n, H + KVH, D] (``rope``: ``kvstream.model.layer_ops.Rope``), its K heads and
         v stored at ``slots``: one launch on CUDA (``kernels.rope_store``); returns the rotated q."""
         if self.triton:
-            return self._rope_store(qk, v, rope.pos, rope.inv_freq, k_pool, v_pool, slots, k_fmt, v_fmt, rope.scale)
+            return self._rope_store(qk, v, rope.pos, rope.inv_freq, k_pool, v_pool, slots, k_fmt, v_fmt, rope.scale,
+                                    pdl=self.pdl)
         return reference.rope_store(qk, v, *rope.cos_sin, k_pool, v_pool, slots, k_fmt, v_fmt)
 
     def gather(self, pool, page_ids, n_tokens: int, fmt: PageFormat, dtype) -> torch.Tensor:
@@ -60,7 +64,7 @@ class KVOps:
         in ``state``; the reference: the rounds' K/V side by side, then the same computation)."""
         if self.triton:
             res = self._attn(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start=key_start,
-                             key_end=key_end, partials=state, carry=not first, return_partials=not last)
+                             key_end=key_end, partials=state, carry=not first, return_partials=not last, pdl=self.pdl)
             return res if last else None
         state.append(reference.range_kv(k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start, key_end))
         if not last:
@@ -72,5 +76,5 @@ class KVOps:
     def attention(self, q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt) -> torch.Tensor:
         """One pass over every key: out [n_q, n_heads, D] in q's dtype."""
         if self.triton:
-            return self._attn(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt)
+            return self._attn(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, pdl=self.pdl)
         return reference.decode_attention(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt).to(q.dtype)

@@ -54,7 +54,7 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
     def __init__(self, *, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, type_k: str,
                  type_v: str, mode: str, arena: Arena, ring_pages: int | None, slabs: dict[str, int],
                  verify_width: int = 1, residency=NewestResident(), both_slabs: bool = False,
-                 time_waits: bool = False, rotate: bool = False):
+                 time_waits: bool = False, rotate: bool = False, pdl: bool = False):
         if mode not in MODES:
             raise ValueError(f"cache.mode={mode!r}; choose one of {', '.join(MODES)}")
         if mode == "stream" and ring_pages is not None and ring_pages < 2:
@@ -70,7 +70,7 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         self.max_pages = -(-max_tokens // PAGE_TOKENS)
         self.device = arena.device
         self.host = HostStore(n_layers, self.max_pages, self.k_fmt, self.v_fmt, pin=self.device.type == "cuda")
-        self.ops = KVOps(self.device)
+        self.ops = KVOps(self.device, pdl)  # pdl: the model's kernels launch so (model.gemv), the cache's too
         self.clock = WaitClock(self.device, time_waits)  # each pass's transfer wait (StepStats.wait_s)
         self.copier = Copier(self.device, self.clock)
         self.ring_request = ring_pages if mode == "stream" else 0  # None: sized at each layout
