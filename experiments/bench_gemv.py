@@ -15,6 +15,8 @@ graph: a decode step's matmuls and the kernels between them, in three arms: ``cu
 ``gemv_pdl`` (the norms and SwiGLU also launched as programmatic dependents). PDL changes no
 arithmetic: the arm's output must equal ``gemv``'s bit for bit (checked). Writes ``gemv.csv``,
 ``chain.csv`` (and ``sweep.csv``) with the GPU, commit and command; prints the tables.
+
+    python -m experiments.bench_gemv --report results/kernels/gemv      # the tables from the CSVs (no GPU)
 """
 
 from __future__ import annotations
@@ -112,13 +114,41 @@ def chain(model: str, n: int, gen) -> list[dict]:
     return rows
 
 
+def tables(df: pd.DataFrame, chains: pd.DataFrame, sweep: pd.DataFrame | None) -> str:
+    """The per-matrix table, the chains against cuBLAS and the bytes' floor, the sweep's fastest."""
+    cols = ["model", "matrix", "n", "block_n", "block_k", "num_warps"] + [f"{a}_us" for a in ARMS] + [
+        f"{a}_frac_read" for a in ARMS] + ["gemv_rel_err"]
+    ch = chains.assign(floor_us=chains.weight_bytes / chains.read_gbps / 1e3)
+    base = ch[ch.arm == "cublas"].set_index(["model", "n"]).chain_us
+    ch = ch.assign(vs_cublas=ch.chain_us / base.loc[list(zip(ch.model, ch.n))].values,
+                   frac_read=ch.floor_us / ch.chain_us)
+    out = [df[cols].round(3).to_string(index=False), "",
+           "the layer chain (n_layers x norm, Q/K/V, output, norm, gate/up, SwiGLU, down), us:",
+           ch[["model", "n", "arm", "chain_us", "vs_cublas", "floor_us", "frac_read", "rel_diff_vs_cublas",
+               "pdl_bit_identical"]].round(3).to_string(index=False)]
+    if sweep is not None:
+        best = sweep.loc[sweep.groupby(["model", "matrix"])["gemv_pdl_us"].idxmin()]
+        chosen = df[df.n == 1].set_index(["model", "matrix"]).gemv_pdl_us
+        best = best.assign(rule_us=chosen.loc[list(zip(best.model, best.matrix))].values)
+        out += ["", "fastest launch per matrix in the sweep (n = 1, PDL) and launch_for's in the main table:",
+                best[["model", "matrix", "block_n", "block_k", "num_warps", "gemv_pdl_us", "gemv_pdl_frac_read",
+                      "rule_us"]].round(3).to_string(index=False)]
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/kernels/gemv")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5])
     ap.add_argument("--sweep", action="store_true", help="also time the launch grid at n = 1 (PDL)")
+    ap.add_argument("--report", metavar="DIR", help="print the tables of a run's CSVs and exit (no GPU)")
     args = ap.parse_args(argv)
+    if args.report:
+        d = Path(args.report)
+        sweep = pd.read_csv(d / "sweep.csv") if (d / "sweep.csv").exists() else None
+        print(tables(pd.read_csv(d / "gemv.csv"), pd.read_csv(d / "chain.csv"), sweep))
+        return
     if not CUDA:
         raise SystemExit("bench_gemv times CUDA kernels: run it on the GPU machine")
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -140,20 +170,14 @@ def main(argv=None) -> None:
             if args.sweep:
                 swept += [dict(model=model, matrix=name, **r)
                           for r in bench_matrix(N, K, 1, gen, ceil, name == "qkv", sweep_configs(K))]
-    pd.DataFrame(chains).assign(**meta).to_csv(out / "chain.csv", index=False)
+    chains = pd.DataFrame(chains).assign(**meta)
+    chains.to_csv(out / "chain.csv", index=False)
     df = pd.DataFrame(rows).assign(**meta)
     df.to_csv(out / "gemv.csv", index=False)
-    cols = ["model", "matrix", "n", "block_n", "block_k", "num_warps"] + [f"{a}_us" for a in ARMS] + [
-        f"{a}_frac_read" for a in ARMS] + ["gemv_rel_err"]
-    print(df[cols].round(3).to_string(index=False))
-    print(pd.DataFrame(chains)[["model", "n", "arm", "chain_us", "rel_diff_vs_cublas"]].round(4).to_string(index=False))
-    if swept:
-        sw = pd.DataFrame(swept).assign(**meta)
-        sw.to_csv(out / "sweep.csv", index=False)
-        best = sw.loc[sw.groupby(["model", "matrix"])["gemv_pdl_us"].idxmin()]
-        print("fastest launch per matrix (n = 1, PDL):")
-        print(best[["model", "matrix", "block_n", "block_k", "num_warps", "gemv_pdl_us", "gemv_pdl_frac_read"]]
-              .round(3).to_string(index=False))
+    sweep = pd.DataFrame(swept).assign(**meta) if swept else None
+    if sweep is not None:
+        sweep.to_csv(out / "sweep.csv", index=False)
+    print(tables(df, chains, sweep))
 
 
 if __name__ == "__main__":

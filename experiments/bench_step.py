@@ -115,7 +115,8 @@ def report(paths: list[str]) -> pd.DataFrame:
     for p in map(Path, paths):
         df = pd.read_csv(p)
         med = df.iloc[1:][["wall", "gpu", "generate_s"]].median()
-        row = {"file": f"{p.parent.name}/{p.name}", "context": int(df["context"].iloc[0]),
+        row = {"file": f"{p.parent.name}/{p.name}", "code": p.parent.parent.name, "model": Path(df["model"].iloc[0]).name,
+               "gemv": bool(df["gemv"].iloc[0]) if "gemv" in df else False, "context": int(df["context"].iloc[0]),
                "step_ms": 1e3 * med["wall"], "gpu_ms": 1e3 * med["gpu"], "generate_ms": 1e3 * med["generate_s"],
                "tok_s": 1 / med["generate_s"]}
         k = p.with_name(p.name.replace("step_cuda_", "kernels_", 1))
@@ -124,6 +125,21 @@ def report(paths: list[str]) -> pd.DataFrame:
             row |= {"kernel_us": kt["us_per_step"].sum(), "launches": kt["calls_per_step"].sum()}
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def compare(table: pd.DataFrame) -> pd.DataFrame:
+    """``report``'s runs with ``model.gemv`` against those without, per model and context: the runs'
+    mean GPU step and ``generate()`` tok/s, and the ratios to the plain arm (every folder's plain
+    runs together: with gemv off the code path is the same). Grouped by ``code`` (the folder two
+    above a CSV), so runs of different code stay apart."""
+    t = table.groupby(["model", "context", "gemv", "code"], as_index=False).agg(
+        runs=("gpu_ms", "size"), gpu_ms=("gpu_ms", "mean"), gpu_min=("gpu_ms", "min"), gpu_max=("gpu_ms", "max"),
+        tok_s=("tok_s", "mean"))
+    base = t[~t.gemv].groupby(["model", "context"]).apply(
+        lambda g: pd.Series({"plain_gpu_ms": (g.gpu_ms * g.runs).sum() / g.runs.sum(),
+                             "plain_tok_s": (g.tok_s * g.runs).sum() / g.runs.sum()}), include_groups=False)
+    t = t[t.gemv].join(base, on=["model", "context"])
+    return t.assign(gpu_ratio=t.gpu_ms / t.plain_gpu_ms, speedup=t.tok_s / t.plain_tok_s)
 
 
 def main(argv=None) -> None:
@@ -139,7 +155,11 @@ def main(argv=None) -> None:
     ap.add_argument("--gemv", action="store_true", help="model.gemv: decode matmuls by kernels/gemv.py with PDL")
     args = ap.parse_args(argv)
     if args.report:
-        print(report(args.report).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        table = report(args.report)
+        print(table.drop(columns=["model"]).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        if table.gemv.any() and not table.gemv.all():
+            print("\nmodel.gemv against plain (means of the runs):")
+            print(compare(table).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
         return
     if args.steps < 2:
         raise SystemExit(f"--steps must be >= 2 (got {args.steps}): the first step is not counted")

@@ -57,6 +57,34 @@ def test_bench_step_splits_a_step_into_host_phases(tmp_path, capsys):
     assert "generate_ms" in capsys.readouterr().out
 
 
+def test_bench_step_compares_gemv_runs_with_plain_ones_per_code_folder():
+    """The committed model.gemv runs (results/step/gemv): means per (model, context, code folder)
+    against every plain run of that model and context."""
+    from pathlib import Path
+
+    from experiments import bench_step
+
+    files = sorted(str(p) for p in Path(__file__).parents[1].glob("results/step/gemv/*/*/step_*.csv"))
+    t = bench_step.compare(bench_step.report(files))
+    row = t[(t.context == 4096) & t.model.str.startswith("qwen2.5-coder-1.5b") & (t.code == "04120d3")].iloc[0]
+    plain = [r for r in bench_step.report(files).itertuples() if r.context == 4096 and not r.gemv
+             and r.model.startswith("qwen2.5-coder-1.5b")]
+    assert row.runs == 4 and len(plain) == 4
+    assert row.plain_gpu_ms == pytest.approx(sum(r.gpu_ms for r in plain) / 4)
+    assert row.gpu_ratio == pytest.approx(row.gpu_ms / row.plain_gpu_ms) and row.gpu_ratio < 1
+    assert set(t.code) == {"04120d3", "1bdbdfe"}  # runs of other code stay apart
+
+
+def test_bench_gemv_report_reads_the_committed_run(capsys):
+    from pathlib import Path
+
+    from experiments import bench_gemv
+
+    bench_gemv.main(["--report", str(Path(__file__).parents[1] / "results/kernels/gemv")])
+    out = capsys.readouterr().out
+    assert "gemv_pdl" in out and "fastest launch per matrix" in out
+
+
 def test_bench_stream_figure_redraws_from_its_csv(tmp_path, monkeypatch):
     """``bench_stream --plot CSV`` draws the committed run's figure without a GPU."""
     from pathlib import Path

@@ -290,8 +290,10 @@ def test_slow_ring_copies_and_reads_still_match_resident(tmp_path, monkeypatch, 
     assert torch.equal(eager, ref)  # one round or several
 
 
-@pytest.mark.parametrize("eject", [False, True, "measure_plain"])
-def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
+@pytest.mark.parametrize("eject, gemv", [(False, False), (True, False), ("measure_plain", False), (True, True)])
+def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject, gemv):
+    """Eager and graphed drafting rounds give the same tokens; with model.gemv (target and draft
+    decode rows by kernels/gemv.py, PDL launches in both models' graphs) also plain decoding's."""
     import test_draft as t
     from kvstream.cache.arena import MIB, Arena
     from kvstream.cache.factory import make_cache
@@ -304,8 +306,8 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
     from kvstream.model.tokenizer import Tokenizer
 
     target_file = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
-    m = load_model(target_file, torch.float32, "cuda")
-    host = load_host(target_file, Tokenizer.from_gguf(target_file).token_texts, torch.float32, "cuda")
+    m = load_model(target_file, torch.float32, "cuda", gemv=gemv)
+    host = load_host(target_file, Tokenizer.from_gguf(target_file).token_texts, torch.float32, "cuda", gemv=gemv)
     greedy = Sampler(SamplingParams(), "cuda")
     nbytes = DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK).pin(Arena(256 * MIB, "cuda"))
     cache = lambda: make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(), m, 1024, t.CHUNK, 9,
@@ -320,6 +322,9 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject):
                                          prefill_chunk=t.CHUNK, control=control).tokens)
         assert eject != "measure_plain" or control.count("measure_plain") == 1
     assert runs[0] == runs[1]
+    if gemv:
+        plain = load_model(target_file, torch.float32, "cuda")
+        assert runs[0] == generate(plain, cache(), t.PROMPT, t.NEW, greedy, prefill_chunk=t.CHUNK).tokens
 
 
 def test_graphed_device_rounds_with_a_draft_model_equal_eager_ones(tmp_path):

@@ -176,7 +176,7 @@ class DraftModel(Speculator):
         c = self.model.cfg
         return pin_kv(self, arena, self._kv_bytes(c), before, n_layers=c.n_layers, n_kv_heads=c.n_kv_heads,
                       head_dim=c.head_dim, max_tokens=self.kv_tokens, type_k=self.type_k, type_v=self.type_v,
-                      slabs=self.slabs, both_slabs=True)
+                      slabs=self.slabs, both_slabs=True, pdl=self.host.gemv)
 
     def eject(self, arena: Arena) -> int:
         """Give the pinned bytes back; the draft KV stays on the host. Returns the bytes freed.
@@ -369,13 +369,15 @@ class DraftModel(Speculator):
         self._truncate(self._at + n_accepted)  # the draft KV holds exactly the accepted history
 
 
-def load_host(path: str, target_tokens: list[str], dtype: torch.dtype, device: str | torch.device, **rope) -> Qwen:
+def load_host(path: str, target_tokens: list[str], dtype: torch.dtype, device: str | torch.device,
+              gemv: bool = False, **rope) -> Qwen:
     """A draft's weights on the host, after checking its vocabulary against ``target_tokens``;
     ``rope``: rope-scaling overrides as ``load_model`` takes them (the target's: a draft reads the
-    same positions, so past the original context it needs the same YaRN)."""
+    same positions, so past the original context it needs the same YaRN); ``gemv``: its copies
+    on the device decode as ``model.gemv`` says (the target's setting)."""
     reader = open_gguf(path)
     check_vocab(list(target_tokens), list(gguf_metadata(reader).get(TOKENS, [])), str(path))
-    host = load_model(reader, dtype, "cpu", **rope)
+    host = load_model(reader, dtype, "cpu", gemv=gemv, **rope)
     if torch.device(device).type == "cuda":  # pinned host memory: a re-enable copies at full PCIe speed
         host = host.map_tensors(lambda name, t: t.pin_memory())
     return host
