@@ -36,19 +36,9 @@ class Launch(NamedTuple):
 
 
 @triton.jit
-def _summed(p_x, p_d, m_k, HAS_DELTA: tl.constexpr):
-    """A chunk of x, or of x + delta rounded to x's dtype (``reference.add_rms_norm``'s sum)."""
-    v = tl.load(p_x, mask=m_k, other=0.0)
-    if HAS_DELTA:
-        v = (v.to(tl.float32) + tl.load(p_d, mask=m_k, other=0.0).to(tl.float32)).to(v.dtype)
-    return v
-
-
-@triton.jit
 def _gemv_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
-                 delta, g, s_out, eps,  # NORM: y = (RMSNorm(x + delta) * g) @ W^T, x + delta -> s_out
                  ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, WAIT: tl.constexpr, NORM: tl.constexpr, HAS_DELTA: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, WAIT: tl.constexpr):
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_k = tl.arange(0, BLOCK_K)
@@ -59,32 +49,14 @@ def _gemv_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights
     o_r = tl.arange(0, ROWS_P)
-    rstd = tl.zeros([ROWS_P], tl.float32)
-    if NORM:  # every program takes each row's RMS (the rows are a few KB, in L2): no norm kernel before
-        for r in tl.static_range(ROWS):
-            ss = tl.zeros([BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                f = _summed(x + r * stride_x + k0 + o_k, delta + r * K + k0 + o_k, k0 + o_k < K,
-                            HAS_DELTA).to(tl.float32)
-                ss += f * f
-            rstd = tl.where(o_r == r, tl.rsqrt(tl.sum(ss, 0) / K + eps), rstd)
     acc = tl.zeros([ROWS_P, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         o_kk = k0 + o_k
-        m_k = o_kk < K
         # the next tile in flight while this one is used (masked off past K)
         b_w_next = tl.load(p_w + k0 + BLOCK_K, mask=m_n[:, None] & (o_kk[None, :] + BLOCK_K < K), other=0.0)
         f_w = b_w.to(tl.float32)
         for r in tl.static_range(ROWS):
-            if NORM:  # rounded where reference.add_rms_norm rounds: the sum, the normed row, its product with g
-                v = _summed(x + r * stride_x + o_kk, delta + r * K + o_kk, m_k, HAS_DELTA)
-                if HAS_DELTA:  # one program writes the sum (the residual stream the layer goes on with)
-                    tl.store(s_out + r * K + o_kk, v, mask=m_k & (o_kk * 0 + tl.program_id(0) == 0))
-                r_std = tl.sum(tl.where(o_r == r, rstd, 0.0), 0)
-                b_g = tl.load(g + o_kk, mask=m_k, other=0.0).to(tl.float32)
-                b_x = ((v.to(tl.float32) * r_std).to(v.dtype).to(tl.float32) * b_g).to(v.dtype).to(tl.float32)
-            else:
-                b_x = tl.load(x + r * stride_x + o_kk, mask=m_k, other=0.0).to(tl.float32)
+            b_x = tl.load(x + r * stride_x + o_kk, mask=o_kk < K, other=0.0).to(tl.float32)
             part = tl.sum(f_w * b_x[None, :], 1)
             acc = tl.where(o_r[:, None] == r, acc + part[None, :], acc)
         b_w = b_w_next
@@ -108,11 +80,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, 
     """x [n <= 8, K] @ w[N, K]^T (+ bias [N]) -> [n, N] in x's dtype. ``pdl``: launch as a
     programmatic dependent of the kernel before it (CUDA, sm_90+): W's first tile is read before
     that kernel's writes are waited for. ``launch``: override ``launch_for``'s choice (sweeps)."""
-    _check(x, w, bias)
-    return _launch(x, w, bias, pdl, launch)
-
-
-def _check(x, w, bias) -> None:
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in DTYPES:
         raise ValueError(f"x must be [n, K] in {DTYPES} with contiguous rows, got {x.dtype} "
                          f"{tuple(x.shape)} stride {x.stride()}")
@@ -128,36 +95,12 @@ def _check(x, w, bias) -> None:
     if not x.device == w.device == (bias.device if bias is not None else w.device):
         raise ValueError(f"x, w and bias must share a device, got {x.device}, {w.device}, "
                          f"{bias.device if bias is not None else None}")
-
-
-def _launch(x, w, bias, pdl, launch, norm=None):
-    n, k = x.shape
-    n_out = w.shape[0]
     cfg = launch or launch_for(n_out, k)
     out = torch.empty((n, n_out), dtype=x.dtype, device=x.device)
     cuda = x.device.type == "cuda"
-    g, eps, delta, s = norm or (x, 0.0, None, x)
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, w, bias if bias is not None else w, out, n_out, k, x.stride(0), w.stride(0), out.stride(0),
-        delta if delta is not None else x, g, s, eps,
         ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, WAIT=cuda, NORM=norm is not None, HAS_DELTA=delta is not None,
-        num_warps=cfg.num_warps, **pdl_launch(pdl and cuda))
+        HAS_BIAS=bias is not None, WAIT=cuda, num_warps=cfg.num_warps,
+        **pdl_launch(pdl and cuda))
     return out
-
-
-def norm_gemv(x: torch.Tensor, g: torch.Tensor, eps: float, w: torch.Tensor, bias: torch.Tensor | None = None,
-              delta: torch.Tensor | None = None, *, pdl: bool = False,
-              launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm`` then ``gemv`` in one kernel: (s, (RMSNorm(s) * g) @ w^T + bias) with s = x + delta
-    (x itself when delta is None), every program taking the rows' RMS itself; rounded where
-    ``kernels.reference.add_rms_norm`` rounds, so only the fp32 sum orders differ from the two kernels."""
-    _check(x, w, bias)
-    n, k = x.shape
-    if g.shape != (k,) or not g.is_contiguous() or x.stride(0) != k:
-        raise ValueError(f"norm_gemv needs contiguous rows x [n, {k}] and g [{k}], got x stride {x.stride()} "
-                         f"and g {tuple(g.shape)}")
-    if delta is not None and (delta.shape != x.shape or not delta.is_contiguous() or delta.dtype != x.dtype):
-        raise ValueError(f"delta must be contiguous {tuple(x.shape)} {x.dtype}, got {tuple(delta.shape)} {delta.dtype}")
-    s = torch.empty_like(x) if delta is not None else x
-    return s, _launch(x, w, bias, pdl, launch, (g, float(eps), delta, s))

@@ -162,17 +162,18 @@ class Qwen:
         H, D = cfg.n_heads, cfg.head_dim
         qk_width = (H + cfg.n_kv_heads) * D
         for i, L in enumerate(self.layers):
-            x, qkv = self._norm_linear(x, delta, L.attn_norm, L.wqkv, L.bqkv)  # the previous block's residual add too
+            x, h = ops.add_rms_norm(x, L.attn_norm, eps, delta)  # the previous block's residual add too
             if i in taps:  # the stream entering block i
                 tapped[i] = x
+            qkv = linear(h, L.wqkv, L.bqkv, self.gemv)
             # q and k heads side by side: one RoPE over both, which a paged cache fuses into its store
             qk = qkv[:, :qk_width].view(n, -1, D)
             v = qkv[:, qk_width:].view(n, cfg.n_kv_heads, D)
             if L.q_norm is not None:
                 qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)), 1)
             a = cache.attend_rope(i, qk, v, rope).reshape(n, H * D)
-            x, gu = self._norm_linear(x, linear(a, L.wo, None, self.gemv), L.ffn_norm, L.w_gate_up, None)
-            delta = linear(ops.silu_mul(gu), L.w_down, None, self.gemv)
+            x, h = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a, L.wo, None, self.gemv))
+            delta = linear(ops.silu_mul(linear(h, L.w_gate_up, None, self.gemv)), L.w_down, None, self.gemv)
         if not all_logits and not hidden:
             x, delta = x[-1:], delta[-1:]
         x, h = ops.add_rms_norm(x, self.out_norm, eps, delta)
@@ -184,16 +185,6 @@ class Qwen:
         return logits, tapped[taps[0]] if len(taps) == 1 else torch.cat([tapped[i] for i in taps], -1)
 
     __call__ = forward
-
-    def _norm_linear(self, x, delta, g, w, bias):
-        """(s, RMSNorm(s) * g @ w^T + bias) with s = x + delta: with ``gemv`` one kernel for a single
-        CUDA row (``kernels.gemv.norm_gemv``: the norm in the matmul's prologue), else the two."""
-        if self.gemv and x.is_cuda and x.shape[0] == 1 and not isinstance(w, Q8):
-            from kernels.gemv import norm_gemv
-
-            return norm_gemv(x, g, self.cfg.rms_eps, w, bias, delta, pdl=True)
-        x, h = self.ops.add_rms_norm(x, g, self.cfg.rms_eps, delta)
-        return x, linear(h, w, bias, self.gemv)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every weight tensor by name (a tied output head appears once, as the embedding; a q8_0
