@@ -48,7 +48,7 @@ def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
                  K_PAGE_BYTES=kf.page_bytes, K_SCALE_OFF=kf.scale_offset, V_FMT=vf.kv_type.code,
                  V_PAGE_BYTES=vf.page_bytes, V_SCALE_OFF=vf.scale_offset, BLOCK_M=block_m,
                  BLOCK_N=launch.block_n, HAS_START=False, HAS_END=False, WRITE_OUT=False,
-                 ROUND=False, CARRY=False, ASM=True)
+                 ROUND=False, CARRY=False, ASM=True, PDL=False)
     kern = da._decode_attention_kernel
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(kern.params):
