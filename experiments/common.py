@@ -130,7 +130,8 @@ def load_target(cfg: GenerateConfig):
                 and cfg.model.weights == "dense":
             # a model drafting for itself on the CPU: the draft's host weights are these (it pins copies), not a
             # second load of the same file
-            DRAFT_HOSTS.setdefault((cfg.spec.draft.source, str(model.dtype), str(model.device)), model)
+            DRAFT_HOSTS.setdefault((cfg.spec.draft.source, str(model.dtype), str(model.device))
+                                   + ((("gemv", True),) if model.gemv else ()), model)  # get_host's key
     return _TARGETS[key]
 
 
@@ -144,7 +145,7 @@ def kvstream_config(device, mode, new, graphs=True, weights="dense", gemv=False)
                           max_new_tokens=new, ignore_eos=True, engine=EngineConfig(cuda_graphs=graphs))
 
 
-_BY_PATH: dict = {}  # (path, weight format) -> (model, tokenizer): the kvstream arms share one load
+_BY_PATH: dict = {}  # (path, weight format, gemv) -> (model, tokenizer): the kvstream arms share one load
 
 
 def kvstream_model(path, cfg):

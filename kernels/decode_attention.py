@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kernels.formats import PAGE_TOKENS, PageFormat
 from kernels.gather import load_tile, use_asm
-from kernels.pdl import launch as pdl_launch, wait_then_release
+from kernels.pdl import kwargs as pdl_kwargs, wait_then_release
 from kernels.reference import LOG2E, Partials
 from kernels.store import check_pool
 
@@ -397,8 +397,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         V_FMT=v_fmt.kv_type.code, V_PAGE_BYTES=v_fmt.page_bytes, V_SCALE_OFF=v_fmt.scale_offset,
         BLOCK_M=block_m, BLOCK_N=launch.block_n,
         HAS_START=key_start is not None, HAS_END=key_end is not None, WRITE_OUT=write_out,
-        ROUND=carry is not None, CARRY=bool(carry), ASM=use_asm(dev), PDL=pdl and dev.type == "cuda",
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch(pdl and dev.type == "cuda"),
+        ROUND=carry is not None, CARRY=bool(carry), ASM=use_asm(dev), **pdl_kwargs(pdl, dev),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
         **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}),
     )
     if return_partials:
@@ -435,6 +435,6 @@ def merge(*parts: Partials, out: torch.Tensor | None = None,
     _merge_kernel[grid](
         m, l, acc, out, m.shape[0], out.stride(0), out.stride(1),
         N_ROWS=n_q * n_heads, N_HEADS=n_heads, HEAD_DIM=d, BLOCK_S=block_s,
-        BLOCK_D=MERGE_BLOCK_D, PDL=pdl and m.is_cuda, num_warps=4, **pdl_launch(pdl and m.is_cuda),
+        BLOCK_D=MERGE_BLOCK_D, num_warps=4, **pdl_kwargs(pdl, m.device),
     )
     return out

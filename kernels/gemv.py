@@ -6,7 +6,7 @@ cuBLAS takes 5-6 us for Q/K/V (6.3 MB, 1.5 us of bytes) and output (4.7 MB, 1.1 
 matmuls run at 59% of the read ceiling (kernels/NOTES.md). A weight does not depend on the
 previous kernel, so with programmatic dependent launch (``pdl=True``: the launch may begin
 while the kernel before it runs, ``gdc_wait`` then waits for that kernel's writes) each program
-loads its first weight tile, waits, then reads x. Without PDL the wait is a no-op.
+loads its first weight tile, waits, then reads x (``kernels/pdl.py``).
 
 One program per ``block_n`` output columns: it streams its rows of W in [block_n, block_k]
 tiles (16-byte loads along K), multiplies each tile by every row of x in fp32 and reduces over
@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch as pdl_launch
+from kernels.pdl import kwargs as pdl_kwargs
 
-# rows a call takes. Each row is its own reduction over K: at 5 rows the kernel took 1.5-4.4x cuBLAS's
+# rows a call takes. Each row is its own reduction over K: at 5 rows the kernel took 1.6-2.6x cuBLAS's
 # time on the 1.5B's Q/K/V, gate/up and down (results/kernels/gemv), so the model sends it single rows
 MAX_ROWS = 8
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,14 +38,14 @@ class Launch(NamedTuple):
 @triton.jit
 def _gemv_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
                  ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, WAIT: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_k = tl.arange(0, BLOCK_K)
     p_w = w + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :]
     # the first tile before the wait: W is never written by the kernel this one may overlap
     b_w = tl.load(p_w, mask=m_n[:, None] & (o_k[None, :] < K), other=0.0)
-    if WAIT:  # (a no-op unless launched as a programmatic dependent)
+    if PDL:  # launched as a programmatic dependent: now wait for the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights
     o_r = tl.arange(0, ROWS_P)
@@ -78,29 +78,27 @@ def launch_for(n: int, k: int) -> Launch:
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False,
          launch: Launch | None = None) -> torch.Tensor:
     """x [n <= 8, K] @ w[N, K]^T (+ bias [N]) -> [n, N] in x's dtype. ``pdl``: launch as a
-    programmatic dependent of the kernel before it (CUDA, sm_90+): W's first tile is read before
-    that kernel's writes are waited for. ``launch``: override ``launch_for``'s choice (sweeps)."""
+    programmatic dependent of the kernel before it (CUDA sm_90+, else an ordinary launch): W's first
+    tile is read before that kernel's writes are waited for. ``launch``: override ``launch_for``'s choice (sweeps)."""
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in DTYPES:
         raise ValueError(f"x must be [n, K] in {DTYPES} with contiguous rows, got {x.dtype} "
                          f"{tuple(x.shape)} stride {x.stride()}")
     n, k = x.shape
     if not 1 <= n <= MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {n}")
-    if w.dim() != 2 or w.shape[1] != k or w.stride(-1) != 1 or w.dtype not in DTYPES:
-        raise ValueError(f"w must be [N, {k}] in {DTYPES} with contiguous rows, got {w.dtype} "
+    if w.dim() != 2 or w.shape[1] != k or w.stride(-1) != 1 or w.dtype != x.dtype:
+        raise ValueError(f"w must be [N, {k}] in x's {x.dtype} with contiguous rows, got {w.dtype} "
                          f"{tuple(w.shape)} stride {w.stride()}")
     n_out = w.shape[0]
-    if bias is not None and (bias.shape != (n_out,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous [{n_out}], got {tuple(bias.shape)}")
+    if bias is not None and (bias.shape != (n_out,) or not bias.is_contiguous() or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be contiguous [{n_out}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     if not x.device == w.device == (bias.device if bias is not None else w.device):
         raise ValueError(f"x, w and bias must share a device, got {x.device}, {w.device}, "
                          f"{bias.device if bias is not None else None}")
     cfg = launch or launch_for(n_out, k)
     out = torch.empty((n, n_out), dtype=x.dtype, device=x.device)
-    cuda = x.device.type == "cuda"
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, w, bias if bias is not None else w, out, n_out, k, x.stride(0), w.stride(0), out.stride(0),
         ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, WAIT=cuda, num_warps=cfg.num_warps,
-        **pdl_launch(pdl and cuda))
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
     return out

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch as pdl_launch, wait_then_release
+from kernels.pdl import kwargs as pdl_kwargs, wait_then_release
 
 
 @triton.jit
@@ -50,6 +50,6 @@ def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     s = torch.empty_like(y) if delta is not None else x
     block = triton.next_power_of_2(hidden)
     _add_rms_norm_kernel[(n,)](x, delta if delta is not None else x, w, s, y, x.stride(0), hidden, eps,
-                               HAS_DELTA=delta is not None, BLOCK=block, PDL=pdl and x.is_cuda,
-                               num_warps=4 if block <= 2048 else 8, **pdl_launch(pdl and x.is_cuda))
+                               HAS_DELTA=delta is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+                               **pdl_kwargs(pdl, x.device))
     return s, y

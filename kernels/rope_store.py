@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch as pdl_launch, wait_then_release
+from kernels.pdl import kwargs as pdl_kwargs, wait_then_release
 from kernels.formats import PageFormat
 from kernels.rope import cos_sin, rotate
 from kernels.store import ROW_DTYPES, check_pool, store_row
@@ -121,6 +121,6 @@ def rope_store(qk: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, inv_freq: t
             float(scale), N_HEADS=n_heads, N_KV_HEADS=h, HEAD_DIM=d,
             K_FMT=k_fmt.kv_type.code, K_PAGE_BYTES=k_fmt.page_bytes, K_SCALE_OFF=k_fmt.scale_offset,
             V_FMT=v_fmt.kv_type.code, V_PAGE_BYTES=v_fmt.page_bytes, V_SCALE_OFF=v_fmt.scale_offset,
-            PDL=pdl and qk.is_cuda, num_warps=1, enable_fp_fusion=False, **pdl_launch(pdl and qk.is_cuda),
+            num_warps=1, enable_fp_fusion=False, **pdl_kwargs(pdl, qk.device),
         )
     return q

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch as pdl_launch, wait_then_release
+from kernels.pdl import kwargs as pdl_kwargs, wait_then_release
 
 BLOCK = 1024
 
@@ -34,6 +34,5 @@ def silu_mul(gu: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         raise ValueError(f"gu must be a contiguous [n, 2 * ffn], got {tuple(gu.shape)} contiguous={gu.is_contiguous()}")
     n, ffn = gu.shape[0], gu.shape[1] // 2
     out = torch.empty((n, ffn), dtype=gu.dtype, device=gu.device)
-    _silu_mul_kernel[(n, triton.cdiv(ffn, BLOCK))](gu, out, ffn, BLOCK=BLOCK, PDL=pdl and gu.is_cuda, num_warps=4,
-                                                          **pdl_launch(pdl and gu.is_cuda))
+    _silu_mul_kernel[(n, triton.cdiv(ffn, BLOCK))](gu, out, ffn, BLOCK=BLOCK, num_warps=4, **pdl_kwargs(pdl, gu.device))
     return out

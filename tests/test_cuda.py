@@ -310,8 +310,8 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject, gemv)
     host = load_host(target_file, Tokenizer.from_gguf(target_file).token_texts, torch.float32, "cuda", gemv=gemv)
     greedy = Sampler(SamplingParams(), "cuda")
     nbytes = DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK).pin(Arena(256 * MIB, "cuda"))
-    cache = lambda: make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(), m, 1024, t.CHUNK, 9,
-                               pinned_bytes=nbytes + MIB)
+    cache = lambda model=m: make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(), model, 1024, t.CHUNK,
+                                       9, pinned_bytes=nbytes + MIB)
     runs = []
     for graphs in (False, True):
         c, draft = cache(), DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK, graphs=graphs)
@@ -324,7 +324,7 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject, gemv)
     assert runs[0] == runs[1]
     if gemv:
         plain = load_model(target_file, torch.float32, "cuda")
-        assert runs[0] == generate(plain, cache(), t.PROMPT, t.NEW, greedy, prefill_chunk=t.CHUNK).tokens
+        assert runs[0] == generate(plain, cache(plain), t.PROMPT, t.NEW, greedy, prefill_chunk=t.CHUNK).tokens
 
 
 def test_graphed_device_rounds_with_a_draft_model_equal_eager_ones(tmp_path):
@@ -803,12 +803,12 @@ def test_q8_weights_on_cuda_match_the_cpu_reference_and_graph_bit_for_bit(tmp_pa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_decode_matches_cublas_and_graphs_bit_for_bit(tmp_path, dtype):
-    """model.gemv: single decode rows through kernels/gemv.py, the matmuls, norms and SwiGLU launched
-    as programmatic dependents. Against cuBLAS: fp32 sums in another order (fp32: the 1e-4 of
-    test_cuda_logits_match_cpu; bf16: one activation's rounding may flip, 2^-8 relative, over the
+    """model.gemv: single decode rows through kernels/gemv.py, the step's layer and attention kernels
+    launched as programmatic dependents. Against cuBLAS: fp32 sums in another order (fp32: the 1e-4
+    of test_cuda_logits_match_cpu; bf16: one activation's rounding may flip, 2^-8 relative, over the
     tiny model's 2 layers a few % of |logit|; greedy tokens asked equal in fp32). Captured steps (PDL
-    edges in the graph) equal eager ones bit for bit: a missing wait would read a kernel's output
-    before it is written."""
+    edges in the graph) and streamed rounds equal the eager resident decode bit for bit. (A race
+    would show here only by chance: tests/kernels/test_gemv.py forces the late write.)"""
     import test_paged_cache as t
     from kvstream.engine.graphs import GraphedModel
 
@@ -821,3 +821,8 @@ def test_gemv_decode_matches_cublas_and_graphs_bit_for_bit(tmp_path, dtype):
     assert torch.equal(t.run(GraphedModel(fast), t.paged(fast, "resident"), toks), eager)
     if dtype == torch.float32:
         assert torch.equal(eager.argmax(-1), ref.argmax(-1))
+    # streamed rounds: ring copies and their event waits in front of the PDL attention launches; the
+    # carried rounds equal one call bit for bit (test_cuda_streaming_matches_resident), eager and graphed
+    stream = lambda: t.paged(fast, "stream", mib=t.small_arena_mib(fast, 6, 2), ring=2)
+    assert torch.equal(t.run(fast, stream(), toks), eager)
+    assert torch.equal(t.run(GraphedModel(fast), stream(), toks), eager)

@@ -42,7 +42,7 @@ class LayerOps:
 
     def __init__(self, device: torch.device, pdl: bool = False):
         self.triton = device.type == "cuda"
-        self.pdl = pdl and self.triton
+        self.pdl = pdl and self.triton  # (the kernels launch ordinarily below sm_90: kernels/pdl.py)
         if self.triton:
             from kernels import rms_norm, swiglu
 
