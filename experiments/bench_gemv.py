@@ -29,17 +29,15 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from experiments.bench_q8_linear import MODELS as Q8_MODELS
 from experiments.common import CUDA, DEV, ceilings, git_state, n_sets, time_graph
 from kernels.gemv import Launch, gemv, launch_for
 from kernels.rms_norm import add_rms_norm
 from kernels.swiglu import silu_mul
 
-MODELS = {  # name -> (layers, hidden, {matrix: (N, K)})
-    "qwen2.5-coder-1.5b": (28, 1536, {"qkv": (2048, 1536), "wo": (1536, 1536), "gate_up": (17920, 1536),
-                                      "down": (1536, 8960)}),
-    "qwen2.5-coder-0.5b": (24, 896, {"qkv": (1152, 896), "wo": (896, 896), "gate_up": (9728, 896),
-                                     "down": (896, 4864)}),
-}
+# name -> (layers, hidden, {matrix: (N, K)}): bench_q8_linear's shapes, the layer matrices (the LM head stays cuBLAS)
+MODELS = {name: (layers, mats["wo"][1], {m: s for m, s in mats.items() if m != "lm_head"})
+          for name, (layers, mats) in Q8_MODELS.items()}
 ARMS = ("cublas", "gemv", "gemv_pdl")
 EPS = 1e-6
 
@@ -76,7 +74,7 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,)) -> list[dict]:
     return rows
 
 
-def sweep_configs(K):
+def sweep_configs():
     return [Launch(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8, 16)]
 
 
@@ -169,7 +167,7 @@ def main(argv=None) -> None:
                 print(rows[-1], flush=True)
             if args.sweep:
                 swept += [dict(model=model, matrix=name, **r)
-                          for r in bench_matrix(N, K, 1, gen, ceil, name == "qkv", sweep_configs(K))]
+                          for r in bench_matrix(N, K, 1, gen, ceil, name == "qkv", sweep_configs())]
     chains = pd.DataFrame(chains).assign(**meta)
     chains.to_csv(out / "chain.csv", index=False)
     df = pd.DataFrame(rows).assign(**meta)
