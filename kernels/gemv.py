@@ -12,6 +12,11 @@ One program per ``block_n`` output columns: it streams its rows of W in [block_n
 tiles (16-byte loads along K), multiplies each tile by every row of x in fp32 and reduces over
 K in fp32; the sum, plus the bias in fp32, is rounded once to x's dtype. Only the fp32
 summation order differs from ``x.float() @ W.float().T`` (tests/kernels/test_gemv.py).
+
+``glu=True`` takes the fused gate/up weight W = [W_gate; W_up] [2F, K] and returns SwiGLU's
+silu(x W_gate^T) * (x W_up^T) [n, F]: each program holds gate row j and up row F + j side by side,
+rounds both sums to x's dtype and applies ``kernels.swiglu.silu_times``, so the result equals the
+matmul then ``silu_mul`` bit for bit, one launch and one [n, 2F] round trip fewer.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import kwargs as pdl_kwargs
+from kernels.swiglu import silu_times
 
 # rows a call takes. Each row is its own reduction over K: at 5 rows the kernel took 1.6-2.6x cuBLAS's
 # time on the 1.5B's Q/K/V, gate/up and down (results/kernels/gemv), so the model sends it single rows
@@ -30,7 +36,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class Launch(NamedTuple):
-    block_n: int  # output columns (rows of W) per program
+    block_n: int  # rows of W per program (output columns; with glu, pairs of gate and up rows)
     block_k: int  # K per tile
     num_warps: int
 
@@ -38,11 +44,19 @@ class Launch(NamedTuple):
 @triton.jit
 def _gemv_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
                  ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                 HAS_BIAS: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
+    # the program's rows of W: BLOCK_N of them, or with GLU BLOCK_N / 2 output columns j, each as
+    # its gate row j and up row N + j side by side (N is then F, the output width)
+    o_i = tl.arange(0, BLOCK_N)
+    if GLU:
+        o_n = tl.program_id(0) * (BLOCK_N // 2) + o_i // 2
+        o_w = o_n + (o_i % 2) * N
+    else:
+        o_n = tl.program_id(0) * BLOCK_N + o_i
+        o_w = o_n
     m_n = o_n < N
     o_k = tl.arange(0, BLOCK_K)
-    p_w = w + o_n[:, None].to(tl.int64) * stride_w + o_k[None, :]
+    p_w = w + o_w[:, None].to(tl.int64) * stride_w + o_k[None, :]
     # the first tile before the wait: W is never written by the kernel this one may overlap
     b_w = tl.load(p_w, mask=m_n[:, None] & (o_k[None, :] < K), other=0.0)
     if PDL:  # launched as a programmatic dependent: now wait for the kernel before
@@ -62,8 +76,14 @@ def _gemv_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
         b_w = b_w_next
     if HAS_BIAS:
         acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-    p_o = out + o_r[:, None] * stride_o + o_n[None, :]
-    tl.store(p_o, acc.to(out.dtype.element_ty), mask=(o_r[:, None] < ROWS) & m_n[None, :])
+    if GLU:  # [rows, (column, gate | up)] -> silu(gate) * up, rounded as the unfused kernels round
+        g, u = tl.split(tl.reshape(acc.to(out.dtype.element_ty), (ROWS_P, BLOCK_N // 2, 2)))
+        o_c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        p_o = out + o_r[:, None] * stride_o + o_c[None, :]
+        tl.store(p_o, silu_times(g, u), mask=(o_r[:, None] < ROWS) & (o_c < N)[None, :])
+    else:
+        p_o = out + o_r[:, None] * stride_o + o_n[None, :]
+        tl.store(p_o, acc.to(out.dtype.element_ty), mask=(o_r[:, None] < ROWS) & m_n[None, :])
 
 
 def launch_for(n: int, k: int) -> Launch:
@@ -75,11 +95,13 @@ def launch_for(n: int, k: int) -> Launch:
     return Launch(2 if k >= 4096 else 4, block_k, 8 if block_k == 2048 else 4)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False,
-         launch: Launch | None = None) -> torch.Tensor:
-    """x [n <= 8, K] @ w[N, K]^T (+ bias [N]) -> [n, N] in x's dtype. ``pdl``: launch as a
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, glu: bool = False,
+         pdl: bool = False, launch: Launch | None = None) -> torch.Tensor:
+    """x [n <= 8, K] @ w[N, K]^T (+ bias [N]) -> [n, N] in x's dtype; ``glu``: w is [W_gate; W_up]
+    [2F, K] (no bias) -> silu(x W_gate^T) * (x W_up^T) [n, F] (module docstring). ``pdl``: launch as a
     programmatic dependent of the kernel before it (CUDA sm_90+, else an ordinary launch): W's first
-    tile is read before that kernel's writes are waited for. ``launch``: override ``launch_for``'s choice (sweeps)."""
+    tile is read before that kernel's writes are waited for. ``launch``: override ``launch_for``'s
+    choice (sweeps); its ``block_n`` counts rows of W (with ``glu`` an even number: half gate, half up)."""
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in DTYPES:
         raise ValueError(f"x must be [n, K] in {DTYPES} with contiguous rows, got {x.dtype} "
                          f"{tuple(x.shape)} stride {x.stride()}")
@@ -90,15 +112,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, 
         raise ValueError(f"w must be [N, {k}] in x's {x.dtype} with contiguous rows, got {w.dtype} "
                          f"{tuple(w.shape)} stride {w.stride()}")
     n_out = w.shape[0]
+    if glu and (bias is not None or n_out % 2):
+        raise ValueError(f"glu takes an even number of weight rows [W_gate; W_up] and no bias, got "
+                         f"{n_out} rows, bias {bias is not None}")
     if bias is not None and (bias.shape != (n_out,) or not bias.is_contiguous() or bias.dtype != x.dtype):
         raise ValueError(f"bias must be contiguous [{n_out}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
     if not x.device == w.device == (bias.device if bias is not None else w.device):
         raise ValueError(f"x, w and bias must share a device, got {x.device}, {w.device}, "
                          f"{bias.device if bias is not None else None}")
     cfg = launch or launch_for(n_out, k)
-    out = torch.empty((n, n_out), dtype=x.dtype, device=x.device)
+    if glu and cfg.block_n % 2:
+        raise ValueError(f"glu needs an even block_n (gate and up rows in pairs), got {cfg.block_n}")
+    n_cols = n_out // 2 if glu else n_out  # output columns (N in the kernel)
+    out = torch.empty((n, n_cols), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n_out, cfg.block_n),)](
-        x, w, bias if bias is not None else w, out, n_out, k, x.stride(0), w.stride(0), out.stride(0),
+        x, w, bias if bias is not None else w, out, n_cols, k, x.stride(0), w.stride(0), out.stride(0),
         ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
+        HAS_BIAS=bias is not None, GLU=glu, num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
     return out

@@ -16,6 +16,15 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_times(g, u):
+    """silu(g) * u for g, u in their storage dtype, rounded as ``reference.silu_mul``: silu in fp32, once
+    to the dtype, the product in fp32, once to the dtype (``kernels/gemv.py``'s gate/up epilogue too)."""
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    return (act * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(gu, out, ffn, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -23,9 +32,7 @@ def _silu_mul_kernel(gu, out, ffn, BLOCK: tl.constexpr, PDL: tl.constexpr):
     m = o < ffn
     g = tl.load(gu + row * 2 * ffn + o, mask=m, other=0.0)
     u = tl.load(gu + row * 2 * ffn + ffn + o, mask=m, other=0.0)
-    gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-    tl.store(out + row * ffn + o, (act * u.to(tl.float32)).to(g.dtype), mask=m)
+    tl.store(out + row * ffn + o, silu_times(g, u), mask=m)
 
 
 def silu_mul(gu: torch.Tensor, pdl: bool = False) -> torch.Tensor:

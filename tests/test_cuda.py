@@ -293,7 +293,8 @@ def test_slow_ring_copies_and_reads_still_match_resident(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("eject, gemv", [(False, False), (True, False), ("measure_plain", False), (True, True)])
 def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject, gemv):
     """Eager and graphed drafting rounds give the same tokens; with model.gemv (target and draft
-    decode rows by kernels/gemv.py, PDL launches in both models' graphs) also plain decoding's."""
+    single decode rows by kernels/gemv.py, the verify batches by kernels/gemv_mma.py, PDL launches in
+    both models' graphs) also plain decoding's."""
     import test_draft as t
     from kvstream.cache.arena import MIB, Arena
     from kvstream.cache.factory import make_cache
@@ -721,12 +722,15 @@ def test_no_cache_copies_on_the_capture_stream(tmp_path):
         assert t.paged(m, "stream", mib=t.small_arena_mib(m, 4, 8), ring=8).copier.stream.cuda_stream != side
 
 
-@pytest.mark.parametrize("features, head_graphs", [(None, False), ((1, 2), False), ((1, 2), True)],
-                         ids=["last stream", "two streams (EAGLE-3)", "EAGLE-3, the head's rounds captured"])
-def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path, features, head_graphs):
+@pytest.mark.parametrize("features, head_graphs, gemv", [(None, False, False), ((1, 2), False, False),
+                                                          ((1, 2), True, False), ((1, 2), True, True)],
+                         ids=["last stream", "two streams (EAGLE-3)", "EAGLE-3, the head's rounds captured",
+                              "EAGLE-3 captured, model.gemv"])
+def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path, features, head_graphs, gemv):
     """spec.type=mtp on CUDA: captured verify steps with their hidden states, device rounds (each
     next feed staged before the readback: ``MTPDraft.prepare``), the head pinned in the arena, its
-    rounds eager or captured: the tokens equal plain decoding's."""
+    rounds eager or captured: the tokens equal plain decoding's. With model.gemv the verify batches'
+    matmuls run kernels/gemv_mma.py and plain decoding's single rows kernels/gemv.py (fp32)."""
     import test_mtp_engine as t
     from kvstream.engine.graphs import GraphedModel
     from kvstream.model.mtp import MTPHead
@@ -734,7 +738,7 @@ def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path, f
     from kvstream.model.registry import sha256_file
 
     target = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
-    m = load_model(target, torch.float32, "cuda")
+    m = load_model(target, torch.float32, "cuda", gemv=gemv)
     write_head(tmp_path / "h.gguf", MTPHead(load_model(target), seed=2, features=features), sha256_file(target),
                {"command": "test"}, "f32")
     cache = t.make_cache(t.CacheConfig(mode="resident"), t.ArenaConfig(), m, 1024, t.CHUNK)

@@ -19,7 +19,7 @@ from kernels.reference import rms_norm, rope_inv_freq
 from kvstream.cache.contiguous import ContiguousCache
 from kvstream.model.layer_ops import LayerOps
 from kvstream.model.loader import ModelConfig, load_weights, open_gguf, read_config
-from kvstream.model.weights import MATRICES, WEIGHT_FORMATS, Q8, embedding, flat, linear, unflat
+from kvstream.model.weights import MATRICES, WEIGHT_FORMATS, Q8, embedding, flat, linear, swiglu, unflat
 
 
 def features(n_layers: int, hidden: bool | tuple[int, ...]) -> tuple[int, ...]:
@@ -79,7 +79,8 @@ class Qwen:
     matrices (``weights.MATRICES``) in q8_0 blocks, quantized from ``weights``' values, and the
     rest in ``dtype`` (default: the weights' dtype), which is also the activations' dtype.
     ``gemv``: on CUDA the layers' dense matrices take single decode rows through ``kernels/gemv.py``
-    and the pass's Triton kernels launch as programmatic dependents (``model.gemv``)."""
+    (gate/up with SwiGLU in its epilogue) and the pass's Triton kernels launch as programmatic
+    dependents (``model.gemv``)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str = "dense",
                  dtype: torch.dtype | None = None, gemv: bool = False):
@@ -173,7 +174,7 @@ class Qwen:
                 qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)), 1)
             a = cache.attend_rope(i, qk, v, rope).reshape(n, H * D)
             x, h = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a, L.wo, None, self.gemv))
-            delta = linear(ops.silu_mul(linear(h, L.w_gate_up, None, self.gemv)), L.w_down, None, self.gemv)
+            delta = linear(swiglu(h, L.w_gate_up, ops.silu_mul, self.gemv), L.w_down, None, self.gemv)
         if not all_logits and not hidden:
             x, delta = x[-1:], delta[-1:]
         x, h = ops.add_rms_norm(x, self.out_norm, eps, delta)

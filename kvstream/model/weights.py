@@ -56,22 +56,43 @@ class Q8:
             tokens.shape[0], -1).to(dtype)
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
-    """x @ w^T (+ bias) for a dense or q8_0 weight: the Triton kernel on CUDA, its reference elsewhere.
-    ``gemv``: a dense weight's single decode row on CUDA goes through ``kernels/gemv.py``, launched
-    as a programmatic dependent of the kernel before (its weight read while that kernel ends); more
-    rows (a verify batch, a prefill) stay with cuBLAS, faster there (results/kernels/gemv)."""
-    if not isinstance(w, Q8):
-        if gemv and x.is_cuda and x.shape[0] == 1:
-            from kernels.gemv import gemv as cuda_core_gemv
+def decode_matmul(x: torch.Tensor, w, gemv: bool):
+    """With ``gemv``, the Triton matmul a dense weight's decode rows take on CUDA, launched as a
+    programmatic dependent of the kernel before (its weight read while that kernel ends): one row on
+    the CUDA cores (``kernels/gemv.py``), a verify batch of 2-16 on the tensor cores
+    (``kernels/gemv_mma.py``). None otherwise: a prefill's rows, q8_0, the CPU."""
+    if not gemv or not x.is_cuda or isinstance(w, Q8) or x.shape[0] > 16:
+        return None
+    if x.shape[0] == 1:
+        from kernels.gemv import gemv as kernel
+    else:
+        from kernels.gemv_mma import gemv_mma as kernel
+    return kernel
 
-            return cuda_core_gemv(x, w, bias, pdl=True)
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
+    """x @ w^T (+ bias) for a dense or q8_0 weight: the Triton kernel on CUDA, its reference elsewhere;
+    with ``gemv`` a decode pass's rows through ``decode_matmul``'s kernel."""
+    kernel = decode_matmul(x, w, gemv)
+    if kernel is not None:
+        return kernel(x, w, bias, pdl=True)
+    if not isinstance(w, Q8):
         return F.linear(x, w, bias)
     if x.is_cuda:
         from kernels.q8_linear import q8_linear
 
         return q8_linear(x, w.q, w.d, bias)
     return reference.q8_linear(x, w.q, w.d, bias)
+
+
+def swiglu(x: torch.Tensor, w, silu_mul, gemv: bool = False) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) for the fused gate/up weight w = [W_gate; W_up]: ``silu_mul``
+    applied to ``linear``'s product, or where ``decode_matmul`` gives a kernel, that kernel with
+    SwiGLU in its epilogue, rounded as the pair rounds (``glu``)."""
+    kernel = decode_matmul(x, w, gemv)
+    if kernel is not None:
+        return kernel(x, w, glu=True, pdl=True)
+    return silu_mul(linear(x, w, None, gemv))
 
 
 def embedding(tokens: torch.Tensor, w, dtype: torch.dtype) -> torch.Tensor:

@@ -95,7 +95,12 @@ def test_pdl_launches_compute_what_ordinary_ones_do():
         pool[:, f.scale_offset:].view(torch.float16).copy_(0.01 + 0.02 * torch.rand(
             8, (f.page_bytes - f.scale_offset) // 2, device="cuda", generator=g))
     q, table = r(3, 12, 128), torch.arange(8, dtype=torch.int32, device="cuda")
-    calls = [lambda p: gemv(x, w, b, pdl=p), lambda p: add_rms_norm(x, w[0], 1e-6, d, pdl=p)[1],
+    from kernels.gemv_mma import gemv_mma
+
+    x5 = r(5, 1536)
+    calls = [lambda p: gemv(x, w, b, pdl=p), lambda p: gemv(x, w, glu=True, pdl=p),
+             lambda p: gemv_mma(x5, w, b, pdl=p), lambda p: gemv_mma(x5, w, glu=True, pdl=p),
+             lambda p: add_rms_norm(x, w[0], 1e-6, d, pdl=p)[1],
              lambda p: silu_mul(x, pdl=p),
              lambda p: decode_attention(q, *pools, table, 1900, kf, vf, pdl=p)]
     for call in calls:
@@ -116,10 +121,43 @@ def _late_writer(x, value, spins, BLOCK: tl.constexpr):
 @PDL
 def test_a_dependent_gemv_reads_what_the_kernel_before_writes_last():
     """A kernel before it releases its dependents at once and writes x after ~a millisecond: a gemv
-    launched as a dependent still reads the written x (its wait covers the whole kernel), with or
-    without the delay. Without the wait it would read the zeros."""
+    (or gemv_mma) launched as a dependent still reads the written x (its wait covers the whole
+    kernel), with or without the delay. Without the wait it would read the zeros."""
+    from kernels.gemv_mma import gemv_mma
+
     x, w = torch.zeros(1, 256, device="cuda"), torch.ones(4, 256, device="cuda")
+    x5 = torch.zeros(5, 256, device="cuda")
     for spins in (1, 1_000_000):
         x.zero_()
         _late_writer[(1,)](x, 2.0, spins, BLOCK=256)
         assert torch.equal(gemv(x, w, pdl=True), torch.full((1, 4), 512.0, device="cuda"))
+        x5.zero_()  # the tensor-core kernel: its last row written late (the writer's one program covers 256 values)
+        _late_writer[(1,)](x5[4], 2.0, spins, BLOCK=256)
+        assert torch.equal(gemv_mma(x5, w, pdl=True)[4], torch.full((4,), 512.0, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, F, K, launch", [(1, 40, 96, None), (3, 23, 160, Launch(4, 64, 4)),
+                                             (8, 9, 64, Launch(2, 32, 4)), (1, 17, 200, Launch(16, 128, 4))])
+def test_glu_equals_the_matmul_then_silu_mul(dtype, n, F, K, launch):
+    """gate/up's fused epilogue rounds each sum to the dtype and applies ``silu_times``, as the
+    unfused pair does: the same bytes as gemv then silu_mul (odd F: the last program half empty)."""
+    if dtype == torch.bfloat16 and DEVICE.type == "cpu":
+        pytest.skip("the interpreter truncates fp32 -> bf16 (kernels/NOTES.md): bf16 runs on CUDA")
+    from kernels.swiglu import silu_mul
+
+    g = torch.Generator().manual_seed(n * F + K)
+    w = torch.randn(2 * F, K, generator=g).to(dtype).to(DEVICE)
+    x = torch.randn(n, K, generator=g).to(dtype).to(DEVICE)
+    # the unfused product with the same [block_n, block_k] tiles, so each sum's fp32 order is the same
+    unfused = silu_mul(gemv(x, w, launch=launch))
+    assert torch.equal(gemv(x, w, glu=True, launch=launch), unfused)
+
+
+@pytest.mark.parametrize("w, launch, match", [
+    (torch.randn(7, 8), None, "even number of weight rows"),
+    (torch.randn(8, 8), Launch(3, 8, 4), "even block_n"),
+])
+def test_glu_bad_input_one_line(w, launch, match):
+    with pytest.raises(ValueError, match=match):
+        gemv(torch.randn(1, 8), w, glu=True, launch=launch)

@@ -1,0 +1,116 @@
+"""A verify batch's matmuls: y = x @ W^T (+ bias) for x [n <= 16, K] on the tensor cores, the weight's
+first tile read before the previous kernel ends (``kernels/gemv.py``'s single rows, for 2-16 rows).
+
+``gemv`` reduces each row over K on the CUDA cores, which costs as much as the bytes from ~3 rows
+on (results/kernels/gemv: 2.0x cuBLAS's time at five rows). Here the weight's rows sit on the MMA's
+M dimension and the batch, padded to 16, on N (acc [block_n, 16] += W_tile . x_tile^T), so a
+verify batch costs the weight's bytes like one row. With ``pdl`` each program loads its first
+weight tile, waits for the kernel before (``kernels/pdl.py``), then reads x; the K loop after that
+tile is software-pipelined (``num_stages`` tiles in flight). Products of bf16 / fp16 values are
+exact in the fp32 accumulator (fp32 inputs: ``ieee`` dots, no TF32), the bias is added in fp32 and
+the sum rounded once; ``glu`` as in ``gemv`` (gate row j and up row F + j side by side, each sum
+rounded, then ``silu_times``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gemv import DTYPES
+from kernels.pdl import kwargs as pdl_kwargs
+from kernels.swiglu import silu_times
+
+MAX_ROWS = 16  # the MMA's N: a verify batch of 1 + 15 draft tokens
+
+
+class Launch(NamedTuple):
+    block_n: int  # rows of W per program (the MMA's M; with glu, pairs of gate and up rows)
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _gemv_mma_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GLU: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    o_i = tl.arange(0, BLOCK_N)
+    if GLU:  # as gemv's: column j's gate row j and up row N + j side by side
+        o_n = tl.program_id(0) * (BLOCK_N // 2) + o_i // 2
+        o_w = o_n + (o_i % 2) * N
+    else:
+        o_n = tl.program_id(0) * BLOCK_N + o_i
+        o_w = o_n
+    m_n = o_n < N
+    o_k = tl.arange(0, BLOCK_K)
+    o_r = tl.arange(0, 16)
+    p_w = w + o_w[:, None].to(tl.int64) * stride_w + o_k[None, :]
+    p_x = x + o_r[:, None] * stride_x + o_k[None, :]
+    m_r = (o_r < ROWS)[:, None]
+    # the first tile before the wait: W is never written by the kernel this one may overlap
+    b_w = tl.load(p_w, mask=m_n[:, None] & (o_k[None, :] < K), other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b_x = tl.load(p_x, mask=m_r & (o_k[None, :] < K), other=0.0)
+    acc = tl.dot(b_w, tl.trans(b_x), input_precision=PRECISION)
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # pipelined by the compiler: its loads all follow the wait
+        m_k = (k0 + o_k[None, :]) < K
+        b_w = tl.load(p_w + k0, mask=m_n[:, None] & m_k, other=0.0)
+        b_x = tl.load(p_x + k0, mask=m_r & m_k, other=0.0)
+        acc = tl.dot(b_w, tl.trans(b_x), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[:, None]
+    if GLU:  # [(column, gate | up), rows] -> silu(gate) * up
+        pairs = tl.permute(tl.reshape(acc.to(out.dtype.element_ty), (BLOCK_N // 2, 2, 16)), (0, 2, 1))
+        g, u = tl.split(pairs)
+        o_c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out + o_r[None, :] * stride_o + o_c[:, None], silu_times(g, u),
+                 mask=(o_c < N)[:, None] & (o_r < ROWS)[None, :])
+    else:
+        tl.store(out + o_r[None, :] * stride_o + o_n[:, None], acc.to(out.dtype.element_ty),
+                 mask=m_n[:, None] & (o_r < ROWS)[None, :])
+
+
+def launch_for(n: int, k: int) -> Launch:
+    """W [n, k]'s launch (a first guess to be replaced by the H200 sweep's fastest): 16 rows of W a
+    program, 256-wide K tiles, 4 stages in flight."""
+    return Launch(16, min(256, max(16, triton.next_power_of_2(k))), 4, 4)
+
+
+def gemv_mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, glu: bool = False,
+             pdl: bool = False, launch: Launch | None = None) -> torch.Tensor:
+    """x [n <= 16, K] @ w[N, K]^T (+ bias [N]) -> [n, N] in x's dtype; ``glu``: w is [W_gate; W_up]
+    [2F, K] (no bias) -> silu(x W_gate^T) * (x W_up^T) [n, F]. ``pdl``: launch as a programmatic
+    dependent of the kernel before (CUDA sm_90+). ``launch``: override ``launch_for`` (sweeps)."""
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in DTYPES:
+        raise ValueError(f"x must be [n, K] in {DTYPES} with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)} stride {x.stride()}")
+    n, k = x.shape
+    if not 1 <= n <= MAX_ROWS:
+        raise ValueError(f"gemv_mma takes 1 to {MAX_ROWS} rows, got {n}")
+    if w.dim() != 2 or w.shape[1] != k or w.stride(-1) != 1 or w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"w must be [N, {k}] in x's {x.dtype} on {x.device} with contiguous rows, got "
+                         f"{w.dtype} {tuple(w.shape)} on {w.device} stride {w.stride()}")
+    n_out = w.shape[0]
+    if glu and (bias is not None or n_out % 2):
+        raise ValueError(f"glu takes an even number of weight rows [W_gate; W_up] and no bias, got "
+                         f"{n_out} rows, bias {bias is not None}")
+    if bias is not None and (bias.shape != (n_out,) or not bias.is_contiguous() or bias.dtype != x.dtype
+                             or bias.device != x.device):
+        raise ValueError(f"bias must be contiguous [{n_out}] in {x.dtype} on {x.device}, got {bias.dtype} "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    cfg = launch or launch_for(n_out, k)
+    if cfg.block_n < 16 or cfg.block_k < 16:
+        raise ValueError(f"the MMA needs block_n and block_k >= 16, got {cfg.block_n}, {cfg.block_k}")
+    n_cols = n_out // 2 if glu else n_out
+    out = torch.empty((n, n_cols), dtype=x.dtype, device=x.device)
+    _gemv_mma_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+        x, w, bias if bias is not None else w, out, n_cols, k, x.stride(0), w.stride(0), out.stride(0),
+        ROWS=n, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, GLU=glu,
+        PRECISION="ieee" if x.dtype == torch.float32 else None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_kwargs(pdl, x.device))
+    return out

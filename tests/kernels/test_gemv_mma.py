@@ -1,0 +1,63 @@
+"""kernels/gemv_mma.py against the exact product and against gemv + silu_mul, on CUDA or under the
+Triton interpreter."""
+import pytest
+import torch
+
+from kernels.gemv_mma import Launch, gemv_mma
+
+from tests.kernels.conftest import DEVICE
+
+
+def _check(out, x, w, bias):
+    """Products of bf16 / fp16 values (and fp32 ones in an ``ieee`` dot) are exact in fp32; the K
+    sums then err by at most one fp32 ulp per addition: 2^-23 of the running magnitude (the tensor
+    cores' adders may truncate, hence a whole ulp, twice gemv's round-to-nearest bound), plus one
+    rounding to the output dtype (an ulp where the sum's error crosses a rounding boundary)."""
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    mags = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
+    bound = torch.finfo(out.dtype).eps * ref.abs() + (x.shape[1] + 1) * 2.0 ** -23 * mags
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), f"max error {err.max():.3g} against {bound[err > bound].min():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n, N, K, launch", [(2, 40, 96, None), (5, 24, 160, Launch(16, 32, 4, 2)),
+                                             (16, 9, 64, Launch(32, 16, 4, 1)), (1, 70, 300, Launch(64, 64, 4, 3))])
+def test_gemv_mma_matches_the_exact_product(dtype, n, N, K, launch):
+    """Column blocks past N, K tiles that do not divide K (the masked last tile), one tile for all of K."""
+    if dtype == torch.bfloat16 and DEVICE.type == "cpu":
+        pytest.skip("the interpreter truncates fp32 -> bf16 (kernels/NOTES.md): bf16 runs on CUDA")
+    g = torch.Generator().manual_seed(n * N + K)
+    w = torch.randn(N, K, generator=g).to(dtype).to(DEVICE)
+    x = torch.randn(n, K + 8, generator=g).to(dtype)[:, :K].to(DEVICE)  # strided rows, as a verify's slices
+    bias = torch.randn(N, generator=g).to(dtype).to(DEVICE)
+    for b in (None, bias):
+        out = gemv_mma(x, w, b, launch=launch)
+        assert out.dtype == dtype and out.shape == (n, N)
+        _check(out, x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, F, launch", [(3, 40, None), (16, 23, Launch(32, 32, 4, 2))])
+def test_glu_equals_the_matmul_then_silu_mul(dtype, n, F, launch):
+    """The fused epilogue rounds each sum to the dtype, then ``silu_times``: the bytes of gemv_mma then
+    silu_mul with the same tiles (so each sum's order is the same)."""
+    from kernels.swiglu import silu_mul
+
+    g = torch.Generator().manual_seed(n + F)
+    w = torch.randn(2 * F, 96, generator=g).to(dtype).to(DEVICE)
+    x = torch.randn(n, 96, generator=g).to(dtype).to(DEVICE)
+    assert torch.equal(gemv_mma(x, w, glu=True, launch=launch), silu_mul(gemv_mma(x, w, launch=launch)))
+
+
+@pytest.mark.parametrize("x, w, kw, match", [
+    (torch.randn(17, 8), torch.randn(4, 8), {}, "1 to 16 rows"),
+    (torch.randn(2, 8), torch.randn(4, 6), {}, r"w must be \[N, 8\]"),
+    (torch.randn(2, 8), torch.randn(4, 8).half(), {}, "in x's torch.float32"),
+    (torch.randn(2, 8), torch.randn(4, 8), {"bias": torch.randn(3)}, r"bias must be contiguous \[4\]"),
+    (torch.randn(2, 8), torch.randn(5, 8), {"glu": True}, "even number of weight rows"),
+    (torch.randn(2, 8), torch.randn(4, 8), {"launch": Launch(8, 16, 4, 1)}, "block_n and block_k >= 16"),
+])
+def test_bad_input_one_line(x, w, kw, match):
+    with pytest.raises(ValueError, match=match):
+        gemv_mma(x, w, **kw)
