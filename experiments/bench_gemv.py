@@ -1,20 +1,24 @@
-"""Decode matmuls on the CUDA cores (kernels/gemv.py) against bf16 cuBLAS, alone and in a layer chain.
+"""Decode matmuls by Triton kernels (kernels/gemv.py, gemv_mma.py) against bf16 cuBLAS, alone and in a layer chain.
 
-    python -m experiments.bench_gemv --out results/kernels/gemv [--sweep]
+    python -m experiments.bench_gemv --out results/kernels/gemv [--rows 1 5] [--sweep]
 
 Per matrix of a Qwen2.5-Coder layer (fused Q/K/V with its bias, output, fused gate/up, down) at
-n = 1 and 5 rows: cuBLAS (``F.linear``), the kernel, and the kernel launched as a programmatic
-dependent (``pdl``: its first weight tile read while the call before it ends), each a CUDA graph
-of calls over weight sets that rotate past the L2 (``common.time_graph``); bytes, the fraction of
-the 1 GiB read ceiling measured in the same run, the largest error against the fp64 product.
-``--sweep``: the kernel's launch grid at n = 1 with PDL (the data behind ``gemv.launch_for``).
+each ``--rows`` count: cuBLAS (``F.linear``), the CUDA-core kernel (``gemv``, up to 8 rows), it
+launched as a programmatic dependent (``gemv_pdl``: its first weight tile read while the call
+before it ends) and the tensor-core kernel so launched (``mma_pdl``, up to 16 rows: a verify
+batch), each a CUDA graph of calls over weight sets that rotate past the L2
+(``common.time_graph``); bytes, the fraction of the 1 GiB read ceiling measured in the same run,
+the largest error against the fp64 product. ``--sweep``: the kernels' launch grids with PDL, the
+CUDA-core one at one row, the tensor-core one at five (the data behind each ``launch_for``).
 
 Then the chain: every layer's add + RMSNorm, Q/K/V, output, add + RMSNorm, gate/up, SwiGLU, down
 (no attention: the output projection reads Q's columns), n_layers distinct weight sets, one CUDA
-graph: a decode step's matmuls and the kernels between them, in three arms: ``cublas``, ``gemv``,
-``gemv_pdl`` (the norms and SwiGLU also launched as programmatic dependents). PDL changes no
-arithmetic: the arm's output must equal ``gemv``'s bit for bit (checked). Writes ``gemv.csv``,
-``chain.csv`` (and ``sweep.csv``) with the GPU, commit and command; prints the tables.
+graph: a decode step's matmuls and the kernels between them, in the arms ``cublas``, ``gemv``,
+``gemv_pdl`` (the norms and SwiGLU also launched as programmatic dependents), ``gemv_pdl_glu``
+(SwiGLU in gate/up's epilogue, as ``model.gemv`` runs one row) and ``mma_pdl_glu`` (the same with
+the tensor-core kernel, as ``model.gemv`` runs 2-16 rows). Neither PDL nor the fold changes the
+arithmetic: ``gemv_pdl`` and ``gemv_pdl_glu`` must equal ``gemv`` bit for bit (checked). Writes
+``gemv.csv``, ``chain.csv`` (and ``sweep.csv``) with the GPU, commit and command; prints the tables.
 
     python -m experiments.bench_gemv --report results/kernels/gemv      # the tables from the CSVs (no GPU)
 """
@@ -31,28 +35,38 @@ import torch.nn.functional as F
 
 from experiments.bench_q8_linear import MODELS as Q8_MODELS
 from experiments.common import CUDA, DEV, ceilings, git_state, n_sets, time_graph
-from kernels.gemv import Launch, gemv, launch_for
+from kernels import gemv as cuda_core, gemv_mma as mma
 from kernels.rms_norm import add_rms_norm
 from kernels.swiglu import silu_mul
 
 # name -> (layers, hidden, {matrix: (N, K)}): bench_q8_linear's shapes, the layer matrices (the LM head stays cuBLAS)
 MODELS = {name: (layers, mats["wo"][1], {m: s for m, s in mats.items() if m != "lm_head"})
           for name, (layers, mats) in Q8_MODELS.items()}
-ARMS = ("cublas", "gemv", "gemv_pdl")
+MATRIX_ARMS = ("cublas", "gemv", "gemv_pdl", "mma_pdl")
+ARMS = ("cublas", "gemv", "gemv_pdl", "gemv_pdl_glu", "mma_pdl_glu")
 EPS = 1e-6
 
 
-def matmul(arm: str):
+def arms_for(arms, n: int) -> list[str]:
+    """The arms that take n rows: the CUDA-core kernel up to 8, the tensor-core one up to 16."""
+    return [a for a in arms if not (a.startswith("gemv") and n > cuda_core.MAX_ROWS)
+            and not (a.startswith("mma") and n > mma.MAX_ROWS)]
+
+
+def matmul(arm: str, launch=None):
+    """The arm's x @ w^T (+ b); ``glu=True`` calls return SwiGLU of a gate/up product."""
     if arm == "cublas":
         return lambda x, w, b=None: F.linear(x, w, b)
-    return lambda x, w, b=None: gemv(x, w, b, pdl=arm == "gemv_pdl")
+    kernel = mma.gemv_mma if arm.startswith("mma") else cuda_core.gemv
+    return lambda x, w, b=None, glu=False: kernel(x, w, b, glu=glu, pdl="pdl" in arm, launch=launch)
 
 
 def _weights(N, K, gen, count):
     return [(torch.randn(N, K, device=DEV, generator=gen) / K ** 0.5).to(torch.bfloat16) for _ in range(count)]
 
 
-def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,)) -> list[dict]:
+def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl") -> list[dict]:
+    """Each arm at the default launch; with ``configs``, ``arm`` at each launch of the grid."""
     ws = _weights(N, K, gen, n_sets(2 * N * K))
     b = torch.randn(N, device=DEV, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(n, K, device=DEV, generator=gen).to(torch.bfloat16)
@@ -60,22 +74,21 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,)) -> list[dict]:
     ref = x.double() @ ws[0].double().T + (b.double() if bias else 0)
     rows = []
     for c in configs:
-        row = dict(N=N, K=K, n=n, bias=bias, **(c or launch_for(N, K))._asdict(), default=c is None)
-        arms = ARMS if c is None else ("gemv_pdl",)
-        for arm in arms:
-            if arm == "cublas":
-                fn = lambda w: F.linear(x, w, b)
-            else:
-                fn = lambda w, pdl=arm == "gemv_pdl": gemv(x, w, b, pdl=pdl, launch=c)
-            us = time_graph([(lambda w=w: fn(w)) for w in ws])
-            err = ((fn(ws[0]).double() - ref).abs().max() / ref.abs().max()).item()
-            row |= {f"{arm}_us": us, f"{arm}_frac_read": nbytes / us / 1e3 / ceil["read_gbps"], f"{arm}_rel_err": err}
+        rule = (mma if arm.startswith("mma") else cuda_core).launch_for(N, K)
+        row = dict(N=N, K=K, n=n, bias=bias, launch=str(tuple(c or rule)), default=c is None)
+        for a in arms_for(MATRIX_ARMS, n) if c is None else (arm,):
+            fn = matmul(a, c)
+            us = time_graph([(lambda w=w: fn(x, w, b)) for w in ws])
+            err = ((fn(x, ws[0], b).double() - ref).abs().max() / ref.abs().max()).item()
+            row |= {f"{a}_us": us, f"{a}_frac_read": nbytes / us / 1e3 / ceil["read_gbps"], f"{a}_rel_err": err}
         rows.append(row)
     return rows
 
 
-def sweep_configs():
-    return [Launch(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8, 16)]
+def sweep_configs(arm: str):
+    if arm.startswith("mma"):
+        return [mma.Launch(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 5)]
+    return [cuda_core.Launch(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8, 16)]
 
 
 def chain(model: str, n: int, gen) -> list[dict]:
@@ -89,33 +102,39 @@ def chain(model: str, n: int, gen) -> list[dict]:
     out = {}
 
     def run(arm):
-        mm, pdl = matmul(arm), arm == "gemv_pdl"
+        mm, pdl, glu = matmul(arm.removesuffix("_glu")), "pdl" in arm, arm.endswith("_glu")
         x, delta = x0, None
         for L in W:
             x, h = add_rms_norm(x, L["n1"], EPS, delta, pdl=pdl) if delta is not None else add_rms_norm(x, L["n1"], EPS)
             qkv = mm(h, L["qkv"], L["bqkv"])
             x, h = add_rms_norm(x, L["n2"], EPS, mm(qkv[:, :hidden], L["wo"]), pdl=pdl)
-            delta = mm(silu_mul(mm(h, L["gate_up"]), pdl=pdl), L["down"])
+            act = mm(h, L["gate_up"], glu=True) if glu else silu_mul(mm(h, L["gate_up"]), pdl=pdl)
+            delta = mm(act, L["down"])
         out[arm] = x + delta
         return out[arm]
 
+    arms = arms_for(ARMS, n)
     rows = []
-    for arm in ARMS:
+    for arm in arms:
         us = time_graph([lambda arm=arm: run(arm)])
         rows.append(dict(model=model, n=n, arm=arm, layers=layers, chain_us=us, weight_bytes=nbytes))
-    same = torch.equal(out["gemv"], out["gemv_pdl"])
-    dev = ((out["gemv"].float() - out["cublas"].float()).abs().max() / out["cublas"].float().abs().max()).item()
+    same = all(torch.equal(out["gemv"], out[a]) for a in ("gemv_pdl", "gemv_pdl_glu") if a in out)
+    ref = out["cublas"].float()
     for r in rows:
-        r |= dict(pdl_bit_identical=same, rel_diff_vs_cublas=dev)
+        r |= dict(pdl_bit_identical=same, rel_diff_vs_cublas=((out[r["arm"]].float() - ref).abs().max()
+                                                               / ref.abs().max()).item())
     if not same:
-        raise SystemExit(f"{model} n={n}: the PDL chain's output differs from the plain launches' (a missing wait)")
+        raise SystemExit(f"{model} n={n}: the PDL (or folded SwiGLU) chain's output differs from the plain "
+                         "launches' (a missing wait, or the fold's rounding)")
     return rows
 
 
 def tables(df: pd.DataFrame, chains: pd.DataFrame, sweep: pd.DataFrame | None) -> str:
     """The per-matrix table, the chains against cuBLAS and the bytes' floor, the sweep's fastest."""
-    cols = ["model", "matrix", "n", "block_n", "block_k", "num_warps"] + [f"{a}_us" for a in ARMS] + [
-        f"{a}_frac_read" for a in ARMS] + ["gemv_rel_err"]
+    arms = [a for a in MATRIX_ARMS if f"{a}_us" in df]  # (a run before the tensor-core kernel has no mma arm)
+    launch = ["launch"] if "launch" in df else ["block_n", "block_k", "num_warps"]
+    cols = ["model", "matrix", "n"] + launch + [f"{a}_us" for a in arms] + [f"{a}_frac_read" for a in arms] + [
+        f"{a}_rel_err" for a in arms if a != "cublas"][:1]
     ch = chains.assign(floor_us=chains.weight_bytes / chains.read_gbps / 1e3)
     base = ch[ch.arm == "cublas"].set_index(["model", "n"]).chain_us
     ch = ch.assign(vs_cublas=ch.chain_us / base.loc[list(zip(ch.model, ch.n))].values,
@@ -124,13 +143,16 @@ def tables(df: pd.DataFrame, chains: pd.DataFrame, sweep: pd.DataFrame | None) -
            "the layer chain (n_layers x norm, Q/K/V, output, norm, gate/up, SwiGLU, down), us:",
            ch[["model", "n", "arm", "chain_us", "vs_cublas", "floor_us", "frac_read", "rel_diff_vs_cublas",
                "pdl_bit_identical"]].round(3).to_string(index=False)]
-    if sweep is not None:
-        best = sweep.loc[sweep.groupby(["model", "matrix"])["gemv_pdl_us"].idxmin()]
-        chosen = df[df.n == 1].set_index(["model", "matrix"]).gemv_pdl_us
-        best = best.assign(rule_us=chosen.loc[list(zip(best.model, best.matrix))].values)
-        out += ["", "fastest launch per matrix in the sweep (n = 1, PDL) and launch_for's in the main table:",
-                best[["model", "matrix", "block_n", "block_k", "num_warps", "gemv_pdl_us", "gemv_pdl_frac_read",
-                      "rule_us"]].round(3).to_string(index=False)]
+    if sweep is not None:  # (a run before the tensor-core kernel swept the CUDA-core one alone, at one row)
+        sweep = sweep if "arm" in sweep else sweep.assign(arm="gemv_pdl")
+        launch = ["launch"] if "launch" in sweep else ["block_n", "block_k", "num_warps"]
+        for (arm, n), sw in sweep.groupby(["arm", "n"]):
+            best = sw.loc[sw.groupby(["model", "matrix"])[f"{arm}_us"].idxmin()]
+            chosen = df[df.n == n].set_index(["model", "matrix"])[f"{arm}_us"]
+            best = best.assign(rule_us=chosen.reindex(list(zip(best.model, best.matrix))).values)
+            out += ["", f"fastest {arm} launch per matrix in the sweep (n = {n}) and launch_for's in the main table:",
+                    best[["model", "matrix"] + launch + [f"{arm}_us", f"{arm}_frac_read", "rule_us"]].round(3)
+                    .to_string(index=False)]
     return "\n".join(out)
 
 
@@ -139,7 +161,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/kernels/gemv")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5])
-    ap.add_argument("--sweep", action="store_true", help="also time the launch grid at n = 1 (PDL)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the launch grids with PDL: the CUDA-core kernel's at 1 row, the tensor-core one's at 5")
     ap.add_argument("--report", metavar="DIR", help="print the tables of a run's CSVs and exit (no GPU)")
     args = ap.parse_args(argv)
     if args.report:
@@ -160,14 +183,14 @@ def main(argv=None) -> None:
     for model in args.models:
         for n in args.rows:
             chains += chain(model, n, gen)
-            print(pd.DataFrame(chains[-3:]).round(3).to_string(index=False), flush=True)
+            print(pd.DataFrame(chains[-len(arms_for(ARMS, n)):]).round(3).to_string(index=False), flush=True)
         for name, (N, K) in MODELS[model][2].items():
             for n in args.rows:
                 rows += [dict(model=model, matrix=name, **r) for r in bench_matrix(N, K, n, gen, ceil, name == "qkv")]
                 print(rows[-1], flush=True)
-            if args.sweep:
-                swept += [dict(model=model, matrix=name, **r)
-                          for r in bench_matrix(N, K, 1, gen, ceil, name == "qkv", sweep_configs())]
+            for arm, n in (("gemv_pdl", 1), ("mma_pdl", 5)) if args.sweep else ():
+                swept += [dict(model=model, matrix=name, arm=arm, **r) for r in bench_matrix(
+                    N, K, n, gen, ceil, name == "qkv", sweep_configs(arm), arm)]
     chains = pd.DataFrame(chains).assign(**meta)
     chains.to_csv(out / "chain.csv", index=False)
     df = pd.DataFrame(rows).assign(**meta)

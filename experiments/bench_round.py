@@ -18,8 +18,8 @@ rows and k - 1 one-row steps, so its parts are verify + feed + (k - 1) x step. `
 below 1 keeps each draft token with that probability (rounds of varying width, as real acceptance
 gives; the parts stay a full round's, a narrower feed costing a little less), ``--alpha real`` lets
 the target verify (with real weights and ``--prompt review``, the studies' prompt: real acceptance),
-``--cache stream`` runs the studies' cache mode. Writes
-``<out>/round_<context>_k<k>[_mtp][_a<alpha>][_stream][_review].csv`` (one row per arm, with the
+``--cache stream`` runs the studies' cache mode, ``--gemv`` ``model.gemv``. Writes
+``<out>/round_<context>_k<k>[_mtp][_a<alpha>][_stream][_review][_gemv].csv`` (one row per arm, with the
 command and provenance).
 """
 
@@ -110,6 +110,8 @@ def round_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="seeded random tokens, or the studies' review prompt (stdlib code, then an instruction)")
     ap.add_argument("--cache", default="resident", choices=["resident", "stream"],
                     help="the target's cache mode (stream: the studies' setting; with arena auto nothing streams)")
+    ap.add_argument("--gemv", action="store_true",
+                    help="model.gemv: the target's (and a draft model's) decode rows by kernels/gemv.py, gemv_mma.py")
     ap.add_argument("--out", default="results/round")
     return ap
 
@@ -131,7 +133,7 @@ def tag(args) -> str:
     """A run's file-name part: context, k, the drafter, and the options off their defaults."""
     alpha = "" if args.alpha == 1 else "_areal" if args.alpha is None else f"_a{args.alpha:g}"
     return (f"{args.context}_k{args.k}{'_mtp' if args.mtp else ''}{alpha}" + ("_stream" if args.cache != "resident" else "")
-            + ("_review" if args.prompt != "random" else ""))
+            + ("_review" if args.prompt != "random" else "") + ("_gemv" if args.gemv else ""))
 
 
 def write_csv(df: pd.DataFrame, args, kind: str) -> Path:
@@ -153,7 +155,7 @@ def round_config(args, model) -> GenerateConfig:
     else:
         spec = SpecConfig(type="draft", n_max=args.k, synthetic_acceptance=args.alpha,
                           draft=DraftConfig(source=args.draft, p_min=0.0))
-    return GenerateConfig(model=ModelSource(args.target), hardware=Hardware("cuda", "bfloat16"),
+    return GenerateConfig(model=ModelSource(args.target, gemv=args.gemv), hardware=Hardware("cuda", "bfloat16"),
                           cache=CacheConfig(mode=args.cache), arena=ArenaConfig("auto"), max_new_tokens=args.new,
                           ignore_eos=True, spec=spec)
 
@@ -167,7 +169,7 @@ def load_round(ap: argparse.ArgumentParser, args, tool: str):
     if not torch.cuda.is_available():
         raise SystemExit(f"{tool} CUDA graphs and device rounds: it needs a GPU")
     reader = open_gguf(args.target)
-    model, tok = load_model(reader, torch.bfloat16, "cuda"), Tokenizer.from_gguf(reader)
+    model, tok = load_model(reader, torch.bfloat16, "cuda", gemv=args.gemv), Tokenizer.from_gguf(reader)
     if args.prompt == "review":
         return model, tok, review_prompt(tok, args.context, INSTRUCTION)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()

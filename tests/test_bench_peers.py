@@ -82,7 +82,27 @@ def test_bench_gemv_report_reads_the_committed_run(capsys):
 
     bench_gemv.main(["--report", str(Path(__file__).parents[1] / "results/kernels/gemv")])
     out = capsys.readouterr().out
-    assert "gemv_pdl" in out and "fastest launch per matrix" in out
+    assert "gemv_pdl" in out and "fastest gemv_pdl launch per matrix in the sweep (n = 1)" in out
+
+
+def test_bench_gemv_tables_with_the_tensor_core_arms():
+    """A run's tables with the tensor-core kernel: its arm per matrix, its sweep at 5 rows beside the
+    CUDA-core one's, chains at rows the CUDA-core kernel does not take (no gemv arms there)."""
+    from experiments import bench_gemv
+
+    mats = [("qkv", 2048, 1536), ("down", 1536, 8960)]
+    df = pd.DataFrame([dict(model="m", matrix=m, N=N, K=K, n=n, launch="(16, 256, 4, 4)", **{
+        f"{a}_{c}": 1.0 + i for i, a in enumerate(bench_gemv.arms_for(bench_gemv.MATRIX_ARMS, n))
+        for c in ("us", "frac_read", "rel_err")}) for m, N, K in mats for n in (1, 5, 16)])
+    chains = pd.DataFrame([dict(model="m", n=n, arm=a, chain_us=100.0 - i, weight_bytes=4e8, read_gbps=4e3,
+                                pdl_bit_identical=True, rel_diff_vs_cublas=0.01)
+                           for n in (1, 16) for i, a in enumerate(bench_gemv.arms_for(bench_gemv.ARMS, n))])
+    sweep = pd.DataFrame([dict(model="m", matrix=m, n=n, arm=a, launch=str(bn), **{f"{a}_us": 2.0 + bn,
+                                                                                   f"{a}_frac_read": 0.5})
+                          for m, _, _ in mats for a, n in (("gemv_pdl", 1), ("mma_pdl", 5)) for bn in (16, 32)])
+    out = bench_gemv.tables(df, chains, sweep)
+    assert "mma_pdl_us" in out and "fastest mma_pdl launch per matrix in the sweep (n = 5)" in out
+    assert set(chains[chains.n == 16].arm) == {"cublas", "mma_pdl_glu"}
 
 
 def test_bench_stream_figure_redraws_from_its_csv(tmp_path, monkeypatch):

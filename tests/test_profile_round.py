@@ -98,5 +98,6 @@ def test_round_options_name_their_files_and_refuse_bad_acceptance():
     real = ap.parse_args(base + ["--alpha", "real", "--prompt", "review", "--k", "2"])
     assert real.alpha is None and tag(real) == "4096_k2_mtp_areal_review"
     assert tag(ap.parse_args(base + ["--alpha", "0.5", "--cache", "stream"])) == "4096_k4_mtp_a0.5_stream"
+    assert tag(ap.parse_args(base + ["--gemv"])) == "4096_k4_mtp_gemv"
     with pytest.raises(SystemExit):  # argparse's one-line error: not a probability
         ap.parse_args(base + ["--alpha", "1.5"])
