@@ -15,8 +15,9 @@ Then the chain: every layer's add + RMSNorm, Q/K/V, output, add + RMSNorm, gate/
 (no attention: the output projection reads Q's columns), n_layers distinct weight sets, one CUDA
 graph: a decode step's matmuls and the kernels between them, in the arms ``cublas``, ``gemv``,
 ``gemv_pdl`` (the norms and SwiGLU also launched as programmatic dependents), ``gemv_pdl_glu``
-(SwiGLU in gate/up's epilogue, as ``model.gemv`` runs one row) and ``mma_pdl_glu`` (the same with
-the tensor-core kernel, as ``model.gemv`` runs 2-16 rows). Neither PDL nor the fold changes the
+(SwiGLU in gate/up's epilogue, as ``model.gemv`` runs one row), ``mma_pdl_glu`` (the same with
+the tensor-core kernel for every matrix) and ``gemv_pdl_model`` (each matmul as ``model.gemv`` routes
+it: ``weights.decode_matmul``, cuBLAS where it gives none). Neither PDL nor the fold changes the
 arithmetic: ``gemv_pdl`` and ``gemv_pdl_glu`` must equal ``gemv`` bit for bit (checked). Writes
 ``gemv.csv``, ``chain.csv`` (and ``sweep.csv``) with the GPU, commit and command; prints the tables.
 
@@ -32,10 +33,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.nn.functional as F
+import triton
 
 from experiments.bench_q8_linear import MODELS as Q8_MODELS
 from experiments.common import CUDA, DEV, ceilings, git_state, n_sets, time_graph
 from kernels import gemv as cuda_core, gemv_mma as mma
+from kvstream.model import weights
 from kernels.rms_norm import add_rms_norm
 from kernels.swiglu import silu_mul
 
@@ -43,18 +46,22 @@ from kernels.swiglu import silu_mul
 MODELS = {name: (layers, mats["wo"][1], {m: s for m, s in mats.items() if m != "lm_head"})
           for name, (layers, mats) in Q8_MODELS.items()}
 MATRIX_ARMS = ("cublas", "gemv", "gemv_pdl", "mma_pdl")
-ARMS = ("cublas", "gemv", "gemv_pdl", "gemv_pdl_glu", "mma_pdl_glu")
+ARMS = ("cublas", "gemv", "gemv_pdl", "gemv_pdl_glu", "mma_pdl_glu", "gemv_pdl_model")
 EPS = 1e-6
+SWEEPS = (("gemv_pdl", 1), ("mma_pdl", 5))  # --sweep: each kernel's launch grid at this many rows
 
 
 def arms_for(arms, n: int) -> list[str]:
     """The arms that take n rows: the CUDA-core kernel up to 8, the tensor-core one up to 16."""
-    return [a for a in arms if not (a.startswith("gemv") and n > cuda_core.MAX_ROWS)
-            and not (a.startswith("mma") and n > mma.MAX_ROWS)]
+    return [a for a in arms if not (a.startswith("gemv") and a != "gemv_pdl_model" and n > cuda_core.MAX_ROWS)
+            and not ((a.startswith("mma") or a == "gemv_pdl_model") and n > mma.MAX_ROWS)]
 
 
 def matmul(arm: str, launch=None):
     """The arm's x @ w^T (+ b); ``glu=True`` calls return SwiGLU of a gate/up product."""
+    if arm == "gemv_pdl_model":
+        return lambda x, w, b=None, glu=False: (weights.swiglu(x, w, silu_mul, True) if glu
+                                                else weights.linear(x, w, b, True))
     if arm == "cublas":
         return lambda x, w, b=None: F.linear(x, w, b)
     kernel = mma.gemv_mma if arm.startswith("mma") else cuda_core.gemv
@@ -78,7 +85,11 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
         row = dict(N=N, K=K, n=n, bias=bias, launch=str(tuple(c or rule)), default=c is None)
         for a in arms_for(MATRIX_ARMS, n) if c is None else (arm,):
             fn = matmul(a, c)
-            us = time_graph([(lambda w=w: fn(x, w, b)) for w in ws])
+            try:
+                us = time_graph([(lambda w=w: fn(x, w, b)) for w in ws])
+            except triton.runtime.errors.OutOfResources as e:  # a sweep's launch past the SM's shared memory
+                print(f"{N}x{K} n={n} {a} {c}: {e}", flush=True)
+                continue
             err = ((fn(x, ws[0], b).double() - ref).abs().max() / ref.abs().max()).item()
             row |= {f"{a}_us": us, f"{a}_frac_read": nbytes / us / 1e3 / ceil["read_gbps"], f"{a}_rel_err": err}
         rows.append(row)
@@ -87,7 +98,8 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
 
 def sweep_configs(arm: str):
     if arm.startswith("mma"):
-        return [mma.Launch(bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 5)]
+        return [mma.Launch(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
+                for st in (2, 4)]
     return [cuda_core.Launch(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8, 16)]
 
 
@@ -102,7 +114,7 @@ def chain(model: str, n: int, gen) -> list[dict]:
     out = {}
 
     def run(arm):
-        mm, pdl, glu = matmul(arm.removesuffix("_glu")), "pdl" in arm, arm.endswith("_glu")
+        mm, pdl, glu = matmul(arm.removesuffix("_glu")), "pdl" in arm, arm.endswith(("_glu", "_model"))
         x, delta = x0, None
         for L in W:
             x, h = add_rms_norm(x, L["n1"], EPS, delta, pdl=pdl) if delta is not None else add_rms_norm(x, L["n1"], EPS)
@@ -161,8 +173,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/kernels/gemv")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5])
-    ap.add_argument("--sweep", action="store_true",
-                    help="also time the launch grids with PDL: the CUDA-core kernel's at 1 row, the tensor-core one's at 5")
+    ap.add_argument("--sweep", nargs="*", choices=[a for a, _ in SWEEPS],
+                    help="also time launch grids with PDL (no name: both): the CUDA-core kernel's at 1 row, the "
+                         "tensor-core one's at 5")
     ap.add_argument("--report", metavar="DIR", help="print the tables of a run's CSVs and exit (no GPU)")
     args = ap.parse_args(argv)
     if args.report:
@@ -188,7 +201,7 @@ def main(argv=None) -> None:
             for n in args.rows:
                 rows += [dict(model=model, matrix=name, **r) for r in bench_matrix(N, K, n, gen, ceil, name == "qkv")]
                 print(rows[-1], flush=True)
-            for arm, n in (("gemv_pdl", 1), ("mma_pdl", 5)) if args.sweep else ():
+            for arm, n in [(a, n) for a, n in SWEEPS if args.sweep is not None and (not args.sweep or a in args.sweep)]:
                 swept += [dict(model=model, matrix=name, arm=arm, **r) for r in bench_matrix(
                     N, K, n, gen, ceil, name == "qkv", sweep_configs(arm), arm)]
     chains = pd.DataFrame(chains).assign(**meta)

@@ -56,14 +56,20 @@ class Q8:
             tokens.shape[0], -1).to(dtype)
 
 
+MMA_MAX_K = 4096  # a verify batch's matmuls with a longer K (down's 8960) stay with cuBLAS: 15.9 against 11.9 us
+
+
 def decode_matmul(x: torch.Tensor, w, gemv: bool):
     """With ``gemv``, the Triton matmul a dense weight's decode rows take on CUDA, launched as a
     programmatic dependent of the kernel before (its weight read while that kernel ends): one row on
     the CUDA cores (``kernels/gemv.py``), a verify batch of 2-16 on the tensor cores
-    (``kernels/gemv_mma.py``). None otherwise: a prefill's rows, q8_0, the CPU."""
-    if not gemv or not x.is_cuda or isinstance(w, Q8) or x.shape[0] > 16:
+    (``kernels/gemv_mma.py``) where K < ``MMA_MAX_K`` (the 1.5B's Q/K/V, output, gate/up at five rows:
+    4.6 / 4.4 / 16.9 against cuBLAS's 5.6 / 5.8 / 16.9 us, results/kernels/gemv_mma). None otherwise:
+    cuBLAS (a prefill's rows, down's verify rows) or q8_0's kernel, the reference on the CPU."""
+    n = x.shape[0]
+    if not gemv or not x.is_cuda or isinstance(w, Q8) or n > 16 or (n > 1 and x.shape[1] >= MMA_MAX_K):
         return None
-    if x.shape[0] == 1:
+    if n == 1:
         from kernels.gemv import gemv as kernel
     else:
         from kernels.gemv_mma import gemv_mma as kernel
