@@ -75,12 +75,15 @@ def _gemv_mma_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
                  mask=m_n[:, None] & (o_r < ROWS)[None, :])
 
 
-def launch_for(n: int, k: int) -> Launch:
+def launch_for(n: int, k: int, itemsize: int = 2) -> Launch:
     """W [n, k]'s launch: 64 rows of W a program, 256-wide K tiles, 4 stages; for a matrix of many rows
     (gate/up's 17920) 128-wide tiles and 2 stages. Within 2.3% of the fastest launch of an H200 sweep at
-    five rows for each 1.5B matrix (results/kernels/gemv_mma/sweep.csv)."""
+    five rows for each 1.5B matrix (results/kernels/gemv_mma/sweep.csv). 4-byte values take half as wide
+    tiles: the stages' shared memory stays the 16-bit launch's (fp32's full width needs 240 KB, past the
+    SM's 227)."""
     wide = n >= 8192
-    return Launch(64, min(128 if wide else 256, max(16, triton.next_power_of_2(k))), 4, 2 if wide else 4)
+    block_k = (128 if wide else 256) * 2 // itemsize
+    return Launch(64, min(block_k, max(16, triton.next_power_of_2(k))), 4, 2 if wide else 4)
 
 
 def gemv_mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, glu: bool = False,
@@ -105,7 +108,7 @@ def gemv_mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                              or bias.device != x.device):
         raise ValueError(f"bias must be contiguous [{n_out}] in {x.dtype} on {x.device}, got {bias.dtype} "
                          f"{tuple(bias.shape)} on {bias.device}")
-    cfg = launch or launch_for(n_out, k)
+    cfg = launch or launch_for(n_out, k, x.element_size())
     if cfg.block_n < 16 or cfg.block_k < 16:
         raise ValueError(f"the MMA needs block_n and block_k >= 16, got {cfg.block_n}, {cfg.block_k}")
     n_cols = n_out // 2 if glu else n_out

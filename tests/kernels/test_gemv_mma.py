@@ -73,3 +73,4 @@ def test_launch_rule_stays_near_the_sweeps_fastest_for_the_1_5b():
     assert launch_for(17920, 1536) == Launch(64, 128, 4, 2)  # gate/up
     assert launch_for(1536, 8960) == Launch(64, 256, 4, 4)  # down: the fastest (the model keeps cuBLAS there)
     assert launch_for(100, 40) == Launch(64, 64, 4, 4)  # a K below one tile: one tile of it
+    assert launch_for(2048, 1536, itemsize=4) == Launch(64, 128, 4, 4)  # fp32: the same shared memory
