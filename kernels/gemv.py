@@ -42,11 +42,9 @@ class Launch(NamedTuple):
 
 
 @triton.jit
-def _gemv_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
-                 ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
-    # the program's rows of W: BLOCK_N of them, or with GLU BLOCK_N / 2 output columns j, each as
-    # its gate row j and up row N + j side by side (N is then F, the output width)
+def weight_rows(N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """(output column, row of W) of each of the program's BLOCK_N rows of W: its own columns, or with GLU
+    BLOCK_N / 2 output columns j, each as its gate row j and up row N + j side by side (N is then F)."""
     o_i = tl.arange(0, BLOCK_N)
     if GLU:
         o_n = tl.program_id(0) * (BLOCK_N // 2) + o_i // 2
@@ -54,6 +52,14 @@ def _gemv_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
     else:
         o_n = tl.program_id(0) * BLOCK_N + o_i
         o_w = o_n
+    return o_n, o_w
+
+
+@triton.jit
+def _gemv_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
+                 ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
+    o_n, o_w = weight_rows(N, BLOCK_N, GLU)
     m_n = o_n < N
     o_k = tl.arange(0, BLOCK_K)
     p_w = w + o_w[:, None].to(tl.int64) * stride_w + o_k[None, :]
@@ -95,6 +101,29 @@ def launch_for(n: int, k: int) -> Launch:
     return Launch(2 if k >= 4096 else 4, block_k, 8 if block_k == 2048 else 4)
 
 
+def check_operands(x, w, bias, glu: bool, max_rows: int, name: str) -> tuple[int, int, int]:
+    """(n, K, N) of a decode matmul's x [n, K], w [N, K], bias [N] (this module's and ``gemv_mma``'s),
+    or one ValueError naming what is off."""
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in DTYPES:
+        raise ValueError(f"x must be [n, K] in {DTYPES} with contiguous rows, got {x.dtype} "
+                         f"{tuple(x.shape)} stride {x.stride()}")
+    n, k = x.shape
+    if not 1 <= n <= max_rows:
+        raise ValueError(f"{name} takes 1 to {max_rows} rows, got {n}")
+    if w.dim() != 2 or w.shape[1] != k or w.stride(-1) != 1 or w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"w must be [N, {k}] in x's {x.dtype} on {x.device} with contiguous rows, got "
+                         f"{w.dtype} {tuple(w.shape)} on {w.device} stride {w.stride()}")
+    n_out = w.shape[0]
+    if glu and (bias is not None or n_out % 2):
+        raise ValueError(f"glu takes an even number of weight rows [W_gate; W_up] and no bias, got "
+                         f"{n_out} rows, bias {bias is not None}")
+    if bias is not None and (bias.shape != (n_out,) or not bias.is_contiguous() or bias.dtype != x.dtype
+                             or bias.device != x.device):
+        raise ValueError(f"bias must be contiguous [{n_out}] in {x.dtype} on {x.device}, got {bias.dtype} "
+                         f"{tuple(bias.shape)} on {bias.device}")
+    return n, k, n_out
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, glu: bool = False,
          pdl: bool = False, launch: Launch | None = None) -> torch.Tensor:
     """x [n <= 8, K] @ w[N, K]^T (+ bias [N]) -> [n, N] in x's dtype; ``glu``: w is [W_gate; W_up]
@@ -102,24 +131,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, 
     programmatic dependent of the kernel before it (CUDA sm_90+, else an ordinary launch): W's first
     tile is read before that kernel's writes are waited for. ``launch``: override ``launch_for``'s
     choice (sweeps); its ``block_n`` counts rows of W (with ``glu`` an even number: half gate, half up)."""
-    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in DTYPES:
-        raise ValueError(f"x must be [n, K] in {DTYPES} with contiguous rows, got {x.dtype} "
-                         f"{tuple(x.shape)} stride {x.stride()}")
-    n, k = x.shape
-    if not 1 <= n <= MAX_ROWS:
-        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {n}")
-    if w.dim() != 2 or w.shape[1] != k or w.stride(-1) != 1 or w.dtype != x.dtype:
-        raise ValueError(f"w must be [N, {k}] in x's {x.dtype} with contiguous rows, got {w.dtype} "
-                         f"{tuple(w.shape)} stride {w.stride()}")
-    n_out = w.shape[0]
-    if glu and (bias is not None or n_out % 2):
-        raise ValueError(f"glu takes an even number of weight rows [W_gate; W_up] and no bias, got "
-                         f"{n_out} rows, bias {bias is not None}")
-    if bias is not None and (bias.shape != (n_out,) or not bias.is_contiguous() or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be contiguous [{n_out}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
-    if not x.device == w.device == (bias.device if bias is not None else w.device):
-        raise ValueError(f"x, w and bias must share a device, got {x.device}, {w.device}, "
-                         f"{bias.device if bias is not None else None}")
+    n, k, n_out = check_operands(x, w, bias, glu, MAX_ROWS, "gemv")
     cfg = launch or launch_for(n_out, k)
     if glu and cfg.block_n % 2:
         raise ValueError(f"glu needs an even block_n (gate and up rows in pairs), got {cfg.block_n}")

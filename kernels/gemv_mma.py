@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import DTYPES
+from kernels.gemv import check_operands, weight_rows
 from kernels.pdl import kwargs as pdl_kwargs
 from kernels.swiglu import silu_times
 
@@ -37,13 +37,7 @@ class Launch(NamedTuple):
 def _gemv_mma_kernel(x, w, bias, out, N, K, stride_x, stride_w, stride_o,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                      GLU: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    o_i = tl.arange(0, BLOCK_N)
-    if GLU:  # as gemv's: column j's gate row j and up row N + j side by side
-        o_n = tl.program_id(0) * (BLOCK_N // 2) + o_i // 2
-        o_w = o_n + (o_i % 2) * N
-    else:
-        o_n = tl.program_id(0) * BLOCK_N + o_i
-        o_w = o_n
+    o_n, o_w = weight_rows(N, BLOCK_N, GLU)
     m_n = o_n < N
     o_k = tl.arange(0, BLOCK_K)
     o_r = tl.arange(0, 16)
@@ -91,23 +85,7 @@ def gemv_mma(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     """x [n <= 16, K] @ w[N, K]^T (+ bias [N]) -> [n, N] in x's dtype; ``glu``: w is [W_gate; W_up]
     [2F, K] (no bias) -> silu(x W_gate^T) * (x W_up^T) [n, F]. ``pdl``: launch as a programmatic
     dependent of the kernel before (CUDA sm_90+). ``launch``: override ``launch_for`` (sweeps)."""
-    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in DTYPES:
-        raise ValueError(f"x must be [n, K] in {DTYPES} with contiguous rows, got {x.dtype} "
-                         f"{tuple(x.shape)} stride {x.stride()}")
-    n, k = x.shape
-    if not 1 <= n <= MAX_ROWS:
-        raise ValueError(f"gemv_mma takes 1 to {MAX_ROWS} rows, got {n}")
-    if w.dim() != 2 or w.shape[1] != k or w.stride(-1) != 1 or w.dtype != x.dtype or w.device != x.device:
-        raise ValueError(f"w must be [N, {k}] in x's {x.dtype} on {x.device} with contiguous rows, got "
-                         f"{w.dtype} {tuple(w.shape)} on {w.device} stride {w.stride()}")
-    n_out = w.shape[0]
-    if glu and (bias is not None or n_out % 2):
-        raise ValueError(f"glu takes an even number of weight rows [W_gate; W_up] and no bias, got "
-                         f"{n_out} rows, bias {bias is not None}")
-    if bias is not None and (bias.shape != (n_out,) or not bias.is_contiguous() or bias.dtype != x.dtype
-                             or bias.device != x.device):
-        raise ValueError(f"bias must be contiguous [{n_out}] in {x.dtype} on {x.device}, got {bias.dtype} "
-                         f"{tuple(bias.shape)} on {bias.device}")
+    n, k, n_out = check_operands(x, w, bias, glu, MAX_ROWS, "gemv_mma")
     cfg = launch or launch_for(n_out, k, x.element_size())
     if cfg.block_n < 16 or cfg.block_k < 16:
         raise ValueError(f"the MMA needs block_n and block_k >= 16, got {cfg.block_n}, {cfg.block_k}")
