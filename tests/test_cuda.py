@@ -730,7 +730,8 @@ def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path, f
     """spec.type=mtp on CUDA: captured verify steps with their hidden states, device rounds (each
     next feed staged before the readback: ``MTPDraft.prepare``), the head pinned in the arena, its
     rounds eager or captured: the tokens equal plain decoding's. With model.gemv the verify batches'
-    matmuls run kernels/gemv_mma.py and plain decoding's single rows kernels/gemv.py (fp32)."""
+    matmuls run kernels/gemv_mma.py, plain decoding's single rows kernels/gemv.py, and the head (made for
+    the gemv target: it follows it) its feeds and steps through both, PDL-launched (fp32)."""
     import test_mtp_engine as t
     from kvstream.engine.graphs import GraphedModel
     from kvstream.model.mtp import MTPHead

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from kvstream.cache.contiguous import ContiguousCache
 from kvstream.model.layer_ops import LayerOps
 from kvstream.model.qwen import Qwen, features as feature_taps
-from kvstream.model.weights import Q8, embedding, linear
+from kvstream.model.weights import Q8, embedding, linear, swiglu
 
 
 REFERENCE = LayerOps(torch.device("cpu"))  # the plain-torch references (any device), for training
@@ -83,6 +83,8 @@ class MTPHead(torch.nn.Module):
         # shared with the target: plain attributes, so .to() / state_dict() / parameters() leave them alone
         self.embed, self.out_norm, self.lm_head, self.inv_freq = target.embed, target.out_norm, target.lm_head, target.inv_freq
         self._layer_ops: dict[torch.device, LayerOps] = {}
+        # its inference follows the target's model.gemv: decode rows by kernels/gemv*.py, PDL launches
+        self.gemv = getattr(target, "gemv", False)
         self.d2t = None if d2t is None else d2t.to(device=self.embed.device, dtype=torch.long)
         self.lm_rows = self.lm_head if d2t is None else self.lm_head.index_select(0, self.d2t)
         assert self.shares(target)
@@ -121,11 +123,12 @@ class MTPHead(torch.nn.Module):
     # ---- the block, in pieces shared by `step` and `unroll` ---------------------------------------
 
     # ``ops``: the layer's elementwise operations. Inference (``block``) takes the device's (fused
-    # Triton kernels on CUDA: a head step is ~30 kernels instead of ~70); training (``unroll``) the
-    # plain-torch references, which have a backward pass
+    # Triton kernels on CUDA: a head step is ~30 kernels instead of ~70; with the target's model.gemv
+    # launched as programmatic dependents, and ``ops.pdl`` sends the matmuls through ``weights.linear``'s
+    # decode kernels); training (``unroll``) the plain-torch references, which have a backward pass
     def _ops(self, device: torch.device) -> LayerOps:
         if device not in self._layer_ops:
-            self._layer_ops[device] = LayerOps(device)
+            self._layer_ops[device] = LayerOps(device, self.gemv)
         return self._layer_ops[device]
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor, ops: LayerOps, delta=None):
@@ -141,20 +144,20 @@ class MTPHead(torch.nn.Module):
             raise ValueError(f"the head's input rows are {h.shape[-1]} wide: the target's states it reads are "
                              f"{self.feature_dim} ({len(self.features)} streams), its own {self.cfg.hidden}")
         if h.shape[-1] != self.cfg.hidden:
-            h = F.linear(h, self.fc)
-        return F.linear(torch.cat((self._norm(e, self.enorm, ops)[1], self._norm(h, self.hnorm, ops)[1]), -1),
-                        self.eh_proj)
+            h = linear(h, self.fc, None, ops.pdl)
+        return linear(torch.cat((self._norm(e, self.enorm, ops)[1], self._norm(h, self.hnorm, ops)[1]), -1),
+                      self.eh_proj, None, ops.pdl)
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor, ops: LayerOps):
         c, n = self.cfg, x.shape[0]
-        qkv = F.linear(self._norm(x, self.attn_norm, ops)[1], self.wqkv, self.bqkv)
+        qkv = linear(self._norm(x, self.attn_norm, ops)[1], self.wqkv, self.bqkv, ops.pdl)
         w = (c.n_heads + c.n_kv_heads) * c.head_dim
         qk = ops.rope(pos, self.inv_freq, qkv.dtype, 1.0)(qkv[:, :w].view(n, -1, c.head_dim))
         return qk[:, :c.n_heads], qk[:, c.n_heads:], qkv[:, w:].view(n, c.n_kv_heads, c.head_dim)
 
     def _block_out(self, x: torch.Tensor, a: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        g, h = self._norm(x, self.ffn_norm, ops, F.linear(a.reshape(x.shape[0], -1), self.wo))  # the residual add too
-        return g + F.linear(ops.silu_mul(F.linear(h, self.w_gate_up)), self.w_down)
+        g, h = self._norm(x, self.ffn_norm, ops, linear(a.reshape(x.shape[0], -1), self.wo, None, ops.pdl))  # + residual
+        return g + linear(swiglu(h, self.w_gate_up, ops.silu_mul, ops.pdl), self.w_down, None, ops.pdl)
 
     def logits(self, g: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """[n, d] block outputs -> [n, draft_vocab] float32 logits."""

@@ -149,7 +149,7 @@ class MTPDraft(Speculator):
         # no compute slab (its buffers are the allocator's); the prefill phase takes any width
         return pin_kv(self, arena, self._kv_bytes(), before, n_layers=1, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                       max_tokens=self.kv_tokens, type_k=self.type_k, type_v=self.type_v,
-                      slabs={"prefill": 0, "decode": 0}, verify_width=MAX_N_Q)
+                      slabs={"prefill": 0, "decode": 0}, verify_width=MAX_N_Q, pdl=self.head.gemv)
 
     def eject(self, arena: Arena) -> int:
         """Give the pinned bytes back; the head's KV stays on the host. Returns the bytes freed."""
