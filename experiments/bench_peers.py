@@ -9,7 +9,8 @@ GPU) and HF transformers with its static cache. Greedy decode of ``--new-tokens`
 Arms: ``kvstream-resident`` (every page in the arena; CUDA-graph decode steps on CUDA),
 ``kvstream-resident-eager`` (the same, ``engine.cuda_graphs=false``: the graph speed-up),
 ``kvstream-stream`` (stream mode with an arena that holds everything: streaming overhead when
-nothing streams), ``llama.cpp``, ``transformers-static``. An arm whose package is missing is
+nothing streams), ``kvstream-gemv`` (resident with ``model.gemv``: decode rows by kernels/gemv.py,
+PDL launches; on CPU the resident arm's path), ``llama.cpp``, ``transformers-static``. An arm whose package is missing is
 reported as skipped. Writes ``<out>/<device>_<model>.csv`` and a PNG; decode tok/s counts the
 tokens after the first (the first comes from the prefill's logits) over the time after the
 prefill. ``--profile`` adds ``<out>/profile_<device>_<model>_<context>.csv``: the CUDA time of
@@ -43,8 +44,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kvstream_arm(path, prompt, new, device, mode, graphs=True):
-    cfg = kvstream_config(device, mode, new, graphs)
+def kvstream_arm(path, prompt, new, device, mode, graphs=True, gemv=False):
+    cfg = kvstream_config(device, mode, new, graphs, gemv=gemv)
     model, tok = kvstream_model(path, cfg)
     run_decode(replace(cfg, max_new_tokens=8), model, tok, prompt[:512])  # warm-up (compiles, captures)
     g = run_decode(cfg, model, tok, prompt).generation
@@ -131,6 +132,7 @@ ARMS = {
     "kvstream-resident": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "resident"),
     "kvstream-resident-eager": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "resident", graphs=False),
     "kvstream-stream": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "stream"),
+    "kvstream-gemv": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "resident", gemv=True),
     "llama.cpp": llama_cpp_arm,
     "transformers-static": transformers_arm,
 }
