@@ -18,7 +18,9 @@ rows and k - 1 one-row steps, so its parts are verify + feed + (k - 1) x step. `
 below 1 keeps each draft token with that probability (rounds of varying width, as real acceptance
 gives; the parts stay a full round's, a narrower feed costing a little less), ``--alpha real`` lets
 the target verify (with real weights and ``--prompt review``, the studies' prompt: real acceptance),
-``--cache stream`` runs the studies' cache mode, ``--gemv`` ``model.gemv``. Writes
+``--cache stream`` runs the studies' cache mode, ``--gemv`` ``model.gemv``; ``--reps N`` measures the rounds
+and then their parts N times (the parts moved by up to 0.1 ms between runs of one lease; the report gives
+each arm's medians and the excess's range). Writes
 ``<out>/round_<context>_k<k>[_mtp][_a<alpha>][_stream][_review][_gemv].csv`` (one row per arm, with the
 command and provenance).
 """
@@ -70,6 +72,12 @@ def report(paths: list[str]) -> str:
     for p in paths:
         d = pd.read_csv(p)
         mtp = "--mtp" in d.command[0]
+        if d.get("rep", pd.Series([0])).nunique() > 1:  # several reps: each arm's medians, the excess's range
+            lo, hi = d.groupby("arm").excess_ms.min(), d.groupby("arm").excess_ms.max()
+            d = d.groupby("arm", sort=False).median(numeric_only=True).reset_index().assign(
+                git_commit=d.git_commit[0], command=d.command[0],
+                arm=lambda m: [f"{a}, median of {d.rep.nunique()} reps (excess {lo[a]:+.3f} to {hi[a]:+.3f})"
+                               for a in m.arm], k=lambda m: m.k.astype(int))
         for r in d.itertuples():
             parts = (f"{r.verify_ms:.3f} + {r.feed_ms:.3f} + {r.k - 1} x {r.draft_step_ms:.3f}" if mtp else
                      f"{r.verify_ms:.3f} + {r.k} x {r.draft_step_ms:.3f}")
@@ -77,6 +85,23 @@ def report(paths: list[str]) -> str:
                          f"{r.arm} | {r.round_ms:.3f} ms | {parts} = {r.parts_ms:.3f} ms | {r.excess_ms:+.3f} ms | "
                          f"{r.draft_ms:.3f} ms | {r.tok_s:.0f} |")
     return "\n".join(lines)
+
+
+def parts(args, base, model, tok, prompt) -> tuple[float, float | None, float, float]:
+    """(verify, feed or None, draft step, their round's sum) in ms: the target's captured 1 + k step and the
+    drafter's steps, each replayed alone after a short decode that pins the drafter."""
+    cfg = replace(base, engine=EngineConfig(device_rounds=True), max_new_tokens=8)
+    res = run_decode(cfg, model, tok, prompt)
+    verify = step_ms(GraphedModel(model), res.cache, 1 + args.k)
+    if args.mtp:  # the head's feed of the k + 1 kept rows, then k - 1 one-row steps
+        # (both timed on the target's states: for a head that fuses several streams the one-row step
+        # includes its fc, which a chained step skips; an upper bound)
+        head = res.chain.get("mtp")
+        feed, draft_step = (step_ms(head.step, head.cache, w, hidden=True) for w in (1 + args.k, 1))
+        return verify, feed, draft_step, verify + feed + (args.k - 1) * draft_step
+    draft = res.chain.get("draft")
+    draft_step = step_ms(draft.model, draft.cache, 1)
+    return verify, None, draft_step, verify + args.k * draft_step
 
 
 def random_head(args, model) -> str:
@@ -178,6 +203,8 @@ def load_round(ap: argparse.ArgumentParser, args, tool: str):
 
 def main(argv=None) -> None:
     ap = round_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    ap.add_argument("--reps", type=int, default=1,
+                    help="times the rounds and then their parts are measured, one after the other (the report: medians)")
     ap.add_argument("--report", nargs="+", metavar="CSV", help="print the table of written CSVs (no GPU)")
     args = ap.parse_args(argv)
     if args.report:
@@ -185,40 +212,26 @@ def main(argv=None) -> None:
         return
     model, tok, prompt = load_round(ap, args, "bench_round times")
     base = round_config(args, model)
-    rows = []
-    for device_rounds in (False, True, False, True):  # twice each, interleaved: the second pair is reported
-        cfg = replace(base, engine=EngineConfig(device_rounds=device_rounds))
-        res = run_decode(cfg, model, tok, prompt)
-        rec = [r for r in res.generation.records if r.verify_width == 1 + args.k][5:]  # past the first rounds
-        rows.append({"arm": "device" if device_rounds else "host", "rounds": len(rec),
-                     "round_ms": 1e3 * pd.Series([r.step_s for r in rec]).median(),
-                     "draft_ms": 1e3 * pd.Series([r.draft_s for r in rec]).median(),
-                     "tok_s": res.generation.stats.decode_tok_s})
-        del res
-    rows = rows[2:]
-    # the parts, alone: the target's 1 + k step and the draft's one-token step, captured and replayed
-    cfg = replace(base, engine=EngineConfig(device_rounds=True), max_new_tokens=8)
-    res = run_decode(cfg, model, tok, prompt)
-    verify = step_ms(GraphedModel(model), res.cache, 1 + args.k)
-    if args.mtp:  # the head's feed of the k + 1 kept rows, then k - 1 one-row steps
-        # (both timed on the target's states: for a head that fuses several streams the one-row step
-        # includes its fc, which a chained step skips; an upper bound)
-        head = res.chain.get("mtp")
-        feed, draft_step = (step_ms(head.step, head.cache, w, hidden=True) for w in (1 + args.k, 1))
-        floor = verify + feed + (args.k - 1) * draft_step
-    else:
-        draft = res.chain.get("draft")
-        feed, draft_step = None, step_ms(draft.model, draft.cache, 1)
-        floor = verify + args.k * draft_step
-    df = pd.DataFrame(rows).assign(verify_ms=verify, feed_ms=feed, draft_step_ms=draft_step, parts_ms=floor,
-                                   excess_ms=lambda d: d.round_ms - floor, context=args.context, k=args.k,
-                                   command=" ".join(["python -m experiments.bench_round", *sys.argv[1:]]), **provenance())
+    frames = []
+    for rep in range(args.reps):  # rounds and their parts measured again each rep, one after the other
+        rows = []
+        for device_rounds in (False, True, False, True):  # twice each, interleaved: the second pair is reported
+            cfg = replace(base, engine=EngineConfig(device_rounds=device_rounds))
+            res = run_decode(cfg, model, tok, prompt)
+            rec = [r for r in res.generation.records if r.verify_width == 1 + args.k][5:]  # past the first rounds
+            rows.append({"arm": "device" if device_rounds else "host", "rounds": len(rec),
+                         "round_ms": 1e3 * pd.Series([r.step_s for r in rec]).median(),
+                         "draft_ms": 1e3 * pd.Series([r.draft_s for r in rec]).median(),
+                         "tok_s": res.generation.stats.decode_tok_s})
+            del res
+        verify, feed, draft_step, floor = parts(args, base, model, tok, prompt)
+        frames.append(pd.DataFrame(rows[2:]).assign(rep=rep, verify_ms=verify, feed_ms=feed, draft_step_ms=draft_step,
+                                                    parts_ms=floor, excess_ms=lambda d: d.round_ms - floor))
+    df = pd.concat(frames, ignore_index=True).assign(
+        context=args.context, k=args.k, command=" ".join(["python -m experiments.bench_round", *sys.argv[1:]]),
+        **provenance())
     name = write_csv(df, args, "round")
-    print(f"verify (1 + {args.k}) {verify:.3f} ms, {'' if feed is None else f'feed {feed:.3f} ms, '}"
-          f"draft step {draft_step:.3f} ms: parts {floor:.3f} ms")
-    for r in df.itertuples():
-        print(f"{r.arm}: round {r.round_ms:.3f} ms (median of {r.rounds}), excess over the parts {r.excess_ms:+.3f} ms, "
-              f"draft part {r.draft_ms:.3f} ms, {r.tok_s:.1f} tok/s")
+    print(report([str(name)]))
     print(f"wrote {name}")
 
 

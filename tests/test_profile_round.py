@@ -101,3 +101,21 @@ def test_round_options_name_their_files_and_refuse_bad_acceptance():
     assert tag(ap.parse_args(base + ["--gemv"])) == "4096_k4_mtp_gemv"
     with pytest.raises(SystemExit):  # argparse's one-line error: not a probability
         ap.parse_args(base + ["--alpha", "1.5"])
+
+
+def test_round_report_takes_each_arms_medians_over_reps(tmp_path):
+    """``bench_round --reps``: one row per rep and arm; the report gives each arm's medians and the
+    range of its excess over the parts (a committed run, its excess shifted per rep)."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from experiments.bench_round import report
+
+    d = pd.read_csv(Path(__file__).parents[1] / "results/round/round_4096_k4_mtp_1.5b_gemv_be77453_1.csv")
+    reps = pd.concat([d.assign(rep=i, excess_ms=d.excess_ms + 0.01 * i) for i in range(3)])
+    reps.to_csv(tmp_path / "r.csv", index=False)
+    table = report([str(tmp_path / "r.csv")])
+    device = d[d.arm == "device"].iloc[0]
+    assert f"device, median of 3 reps (excess {device.excess_ms:+.3f} to {device.excess_ms + 0.02:+.3f})" in table
+    assert f"{device.excess_ms + 0.01:+.3f} ms" in table and "k = 4 |" in table
