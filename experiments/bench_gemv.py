@@ -99,7 +99,8 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
 def sweep_configs(arm: str):
     if arm.startswith("mma"):
         return [mma.Launch(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
-                for st in (2, 4)]
+                for st in (2, 4)] + [mma.Launch(bn, bk, 4, 3, sp) for bn in (16, 32, 64) for bk in (128, 256)
+                                     for sp in (2, 4, 8)]
     return [cuda_core.Launch(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8, 16)]
 
 

@@ -95,11 +95,13 @@ def test_pdl_launches_compute_what_ordinary_ones_do():
         pool[:, f.scale_offset:].view(torch.float16).copy_(0.01 + 0.02 * torch.rand(
             8, (f.page_bytes - f.scale_offset) // 2, device="cuda", generator=g))
     q, table = r(3, 12, 128), torch.arange(8, dtype=torch.int32, device="cuda")
-    from kernels.gemv_mma import gemv_mma
+    from kernels.gemv_mma import Launch as Launch_mma, gemv_mma
 
     x5 = r(5, 1536)
     calls = [lambda p: gemv(x, w, b, pdl=p), lambda p: gemv(x, w, glu=True, pdl=p),
              lambda p: gemv_mma(x5, w, b, pdl=p), lambda p: gemv_mma(x5, w, glu=True, pdl=p),
+             lambda p: gemv_mma(x5, w, b, pdl=p, launch=Launch_mma(16, 128, 4, 3, split=4)),  # + its split sum
+             lambda p: gemv_mma(x5, w, glu=True, pdl=p, launch=Launch_mma(16, 128, 4, 3, split=3)),
              lambda p: add_rms_norm(x, w[0], 1e-6, d, pdl=p)[1],
              lambda p: silu_mul(x, pdl=p),
              lambda p: decode_attention(q, *pools, table, 1900, kf, vf, pdl=p)]

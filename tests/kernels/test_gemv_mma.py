@@ -22,9 +22,12 @@ def _check(out, x, w, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n, N, K, launch", [(2, 40, 96, None), (5, 24, 160, Launch(16, 32, 4, 2)),
-                                             (16, 9, 64, Launch(32, 16, 4, 1)), (1, 70, 300, Launch(64, 64, 4, 3))])
+                                             (16, 9, 64, Launch(32, 16, 4, 1)), (1, 70, 300, Launch(64, 64, 4, 3)),
+                                             (3, 40, 300, Launch(16, 32, 4, 2, split=4)),
+                                             (5, 24, 100, Launch(16, 64, 4, 2, split=8))])
 def test_gemv_mma_matches_the_exact_product(dtype, n, N, K, launch):
-    """Column blocks past N, K tiles that do not divide K (the masked last tile), one tile for all of K."""
+    """Column blocks past N, K tiles that do not divide K (the masked last tile), one tile for all of K;
+    K split among programs (300 = 3 shares of 3 tiles and a last of 1; split 8 of 2 tiles: 2 shares)."""
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":
         pytest.skip("the interpreter truncates fp32 -> bf16 (kernels/NOTES.md): bf16 runs on CUDA")
     g = torch.Generator().manual_seed(n * N + K)
@@ -38,10 +41,11 @@ def test_gemv_mma_matches_the_exact_product(dtype, n, N, K, launch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n, F, launch", [(3, 40, None), (16, 23, Launch(32, 32, 4, 2))])
+@pytest.mark.parametrize("n, F, launch", [(3, 40, None), (16, 23, Launch(32, 32, 4, 2)),
+                                          (5, 23, Launch(16, 16, 4, 2, split=3))])
 def test_glu_equals_the_matmul_then_silu_mul(dtype, n, F, launch):
-    """The fused epilogue rounds each sum to the dtype, then ``silu_times``: the bytes of gemv_mma then
-    silu_mul with the same tiles (so each sum's order is the same)."""
+    """The fused epilogue (or the split sum's) rounds each sum to the dtype, then ``silu_times``: the bytes
+    of gemv_mma then silu_mul with the same tiles and splits (so each sum's order is the same)."""
     from kernels.swiglu import silu_mul
 
     g = torch.Generator().manual_seed(n + F)
@@ -57,6 +61,7 @@ def test_glu_equals_the_matmul_then_silu_mul(dtype, n, F, launch):
     (torch.randn(2, 8), torch.randn(4, 8), {"bias": torch.randn(3)}, r"bias must be contiguous \[4\]"),
     (torch.randn(2, 8), torch.randn(5, 8), {"glu": True}, "even number of weight rows"),
     (torch.randn(2, 8), torch.randn(4, 8), {"launch": Launch(8, 16, 4, 1)}, "block_n and block_k >= 16"),
+    (torch.randn(2, 8), torch.randn(4, 8), {"launch": Launch(16, 16, 4, 1, split=0)}, "split must be >= 1"),
 ])
 def test_bad_input_one_line(x, w, kw, match):
     with pytest.raises(ValueError, match=match):
