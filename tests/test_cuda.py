@@ -749,6 +749,33 @@ def test_graphed_device_rounds_with_an_mtp_head_equal_plain_decoding(tmp_path, f
     assert g.tokens == plain and mtp.stats.drafts > 0
 
 
+@pytest.mark.parametrize("features", [None, (1, 2)], ids=["last stream", "two streams (EAGLE-3)"])
+def test_an_mtp_head_of_a_gemv_target_computes_what_cublas_does(tmp_path, features):
+    """An MTP head follows its target's model.gemv: its feeds (5 rows: kernels/gemv_mma.py, fc's long K
+    by cuBLAS) and steps (1 row: kernels/gemv.py), PDL-launched, give the logits of the same head on a
+    cuBLAS target within fp32's summation-order error (the 1e-4 of test_gemv_decode_matches_cublas...);
+    the drafted tokens are asserted nowhere else with model.gemv (greedy verification hides them)."""
+    import test_mtp_engine as t
+    from kvstream.model.mtp import MTPHead
+
+    target = write_tiny_model(tmp_path / "t.gguf", t.SPEC)
+    heads = [MTPHead(load_model(target, torch.float32, "cuda", gemv=g), seed=2, features=features).cuda()
+             for g in (False, True)]
+    assert heads[1].gemv and not heads[0].gemv
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(5, heads[0].feature_dim, device="cuda", generator=g)
+    toks = torch.randint(0, heads[0].cfg.vocab_size, (5,), device="cuda", generator=g)
+    out = []
+    for head in heads:
+        kv = head.new_cache(64)
+        with torch.no_grad():
+            feed, g_out = head.step(h, toks, torch.arange(5, device="cuda"), kv)  # a round's feed
+            step, _ = head.step(g_out[-1:], toks[:1], torch.tensor([5], device="cuda"), kv)  # a draft step
+        out.append((feed, step))
+    for a, b in zip(*out):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+
+
 @pytest.mark.parametrize("draft_vocab, features", [(False, None), (True, None), (False, (1, 2))],
                          ids=["full vocabulary", "draft vocabulary", "two streams (EAGLE-3)"])
 def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch, draft_vocab, features):

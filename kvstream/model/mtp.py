@@ -123,13 +123,17 @@ class MTPHead(torch.nn.Module):
     # ---- the block, in pieces shared by `step` and `unroll` ---------------------------------------
 
     # ``ops``: the layer's elementwise operations. Inference (``block``) takes the device's (fused
-    # Triton kernels on CUDA: a head step is ~30 kernels instead of ~70; with the target's model.gemv
-    # launched as programmatic dependents, and ``ops.pdl`` sends the matmuls through ``weights.linear``'s
-    # decode kernels); training (``unroll``) the plain-torch references, which have a backward pass
+    # Triton kernels on CUDA: a head step is ~30 kernels instead of ~70; launched as programmatic
+    # dependents with the target's model.gemv, whose decode matmuls it then takes too: ``_decode``);
+    # training (``unroll``) the plain-torch references, which have a backward pass
     def _ops(self, device: torch.device) -> LayerOps:
         if device not in self._layer_ops:
             self._layer_ops[device] = LayerOps(device, self.gemv)
         return self._layer_ops[device]
+
+    def _decode(self, ops: LayerOps) -> bool:
+        """Whether the matmuls take ``weights.decode_matmul``'s kernels: inference with model.gemv."""
+        return self.gemv and ops is not REFERENCE
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor, ops: LayerOps, delta=None):
         return ops.add_rms_norm(x, w, self.cfg.rms_eps, delta)
@@ -144,20 +148,21 @@ class MTPHead(torch.nn.Module):
             raise ValueError(f"the head's input rows are {h.shape[-1]} wide: the target's states it reads are "
                              f"{self.feature_dim} ({len(self.features)} streams), its own {self.cfg.hidden}")
         if h.shape[-1] != self.cfg.hidden:
-            h = linear(h, self.fc, None, ops.pdl)
+            h = linear(h, self.fc, None, self._decode(ops))
         return linear(torch.cat((self._norm(e, self.enorm, ops)[1], self._norm(h, self.hnorm, ops)[1]), -1),
-                      self.eh_proj, None, ops.pdl)
+                      self.eh_proj, None, self._decode(ops))
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor, ops: LayerOps):
         c, n = self.cfg, x.shape[0]
-        qkv = linear(self._norm(x, self.attn_norm, ops)[1], self.wqkv, self.bqkv, ops.pdl)
+        qkv = linear(self._norm(x, self.attn_norm, ops)[1], self.wqkv, self.bqkv, self._decode(ops))
         w = (c.n_heads + c.n_kv_heads) * c.head_dim
         qk = ops.rope(pos, self.inv_freq, qkv.dtype, 1.0)(qkv[:, :w].view(n, -1, c.head_dim))
         return qk[:, :c.n_heads], qk[:, c.n_heads:], qkv[:, w:].view(n, c.n_kv_heads, c.head_dim)
 
     def _block_out(self, x: torch.Tensor, a: torch.Tensor, ops: LayerOps) -> torch.Tensor:
-        g, h = self._norm(x, self.ffn_norm, ops, linear(a.reshape(x.shape[0], -1), self.wo, None, ops.pdl))  # + residual
-        return g + linear(swiglu(h, self.w_gate_up, ops.silu_mul, ops.pdl), self.w_down, None, ops.pdl)
+        decode = self._decode(ops)
+        g, h = self._norm(x, self.ffn_norm, ops, linear(a.reshape(x.shape[0], -1), self.wo, None, decode))  # + residual
+        return g + linear(swiglu(h, self.w_gate_up, ops.silu_mul, decode), self.w_down, None, decode)
 
     def logits(self, g: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """[n, d] block outputs -> [n, draft_vocab] float32 logits."""

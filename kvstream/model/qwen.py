@@ -78,9 +78,9 @@ class Qwen:
     """Weights of a Qwen2/Qwen3 model and its forward pass. ``weight_format`` q8_0 holds the
     matrices (``weights.MATRICES``) in q8_0 blocks, quantized from ``weights``' values, and the
     rest in ``dtype`` (default: the weights' dtype), which is also the activations' dtype.
-    ``gemv``: on CUDA the layers' dense matrices take single decode rows through ``kernels/gemv.py``
-    (gate/up with SwiGLU in its epilogue) and the pass's Triton kernels launch as programmatic
-    dependents (``model.gemv``)."""
+    ``gemv``: on CUDA the layers' dense matrices take passes of 1-16 rows through ``kernels/gemv.py``
+    and ``gemv_mma.py`` (``weights.decode_matmul``; gate/up with SwiGLU in the epilogue) and the pass's
+    Triton kernels launch as programmatic dependents (``model.gemv``)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str = "dense",
                  dtype: torch.dtype | None = None, gemv: bool = False):

@@ -60,20 +60,23 @@ MMA_MAX_K = 4096  # a verify batch's matmuls with a longer K (down's 8960) stay 
 
 
 def decode_matmul(x: torch.Tensor, w, gemv: bool):
-    """With ``gemv``, the Triton matmul a dense weight's decode rows take on CUDA, launched as a
+    """With ``gemv``, the Triton matmul a dense weight's pass of few rows takes on CUDA, launched as a
     programmatic dependent of the kernel before (its weight read while that kernel ends): one row on
-    the CUDA cores (``kernels/gemv.py``), a verify batch of 2-16 on the tensor cores
-    (``kernels/gemv_mma.py``) where K < ``MMA_MAX_K`` (the 1.5B's Q/K/V, output, gate/up at five rows:
-    4.6 / 4.4 / 16.9 against cuBLAS's 5.6 / 5.8 / 16.9 us, results/kernels/gemv_mma). None otherwise:
-    cuBLAS (a prefill's rows, down's verify rows) or q8_0's kernel, the reference on the CPU."""
+    the CUDA cores (``kernels/gemv.py``), 2-16 rows (a verify batch, a short prefill chunk) on the
+    tensor cores (``kernels/gemv_mma.py``) where K < ``MMA_MAX_K`` (the 1.5B's Q/K/V, output, gate/up at
+    five rows: 4.7 / 4.4 / 16.9 against cuBLAS's 5.6 / 6.1 / 18.0 us, results/kernels/gemv_mma). None
+    otherwise: cuBLAS (more rows, down's verify rows) or q8_0's kernel, the reference on the CPU."""
+    from kernels import gemv_mma
+
     n = x.shape[0]
-    if not gemv or not x.is_cuda or isinstance(w, Q8) or n > 16 or (n > 1 and x.shape[1] >= MMA_MAX_K):
+    if (not gemv or not x.is_cuda or isinstance(w, Q8) or not 1 <= n <= gemv_mma.MAX_ROWS
+            or (n > 1 and x.shape[1] >= MMA_MAX_K)):
         return None
     if n == 1:
         from kernels.gemv import gemv as kernel
-    else:
-        from kernels.gemv_mma import gemv_mma as kernel
-    return kernel
+
+        return kernel
+    return gemv_mma.gemv_mma
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
