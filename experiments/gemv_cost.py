@@ -8,7 +8,8 @@ dtype with the same cache (``--cache``, default paged ``resident`` with q8_0 K /
 
 1. teacher forcing: a prompt of P = ``--prompt-tokens`` tokens of the built-in text (the
    standard-library sources ``kvstream-ppl`` reads), then its next T = ``--tokens`` tokens fed one
-   per decode pass (CUDA graphs on CUDA, as the engine runs them). At each pass: KL(off || on)
+   per decode pass, or ``--width`` per pass (a verify batch's shape: ``kernels/gemv_mma.py``) (CUDA
+   graphs on CUDA, as the engine runs them). At each position: KL(off || on)
    (fp64 log_softmax of the fp32 logits), same top-1, whether the logits are bit-identical, and
    the NLL of the text's next token in each arm: PPL off and on over the T positions, their ratio;
 2. free greedy decoding of N = ``--new-tokens`` after the prompt in each arm (``run_decode``, the
@@ -55,15 +56,17 @@ PROG = "gemv_cost"
 
 
 @torch.inference_mode()
-def teacher_forced(model, cfg: GenerateConfig, ids: list[int], n_prompt: int) -> torch.Tensor:
-    """fp32 logits [T, vocab] on the host: the prompt ``ids[:n_prompt]`` prefilled, then one decode
-    pass per token of ``ids[n_prompt:-1]`` (each predicting the token after it)."""
-    cache = make_cache(cfg.cache, cfg.arena, model, len(ids) - 1, cfg.prefill_chunk)
+def teacher_forced(model, cfg: GenerateConfig, ids: list[int], n_prompt: int, width: int = 1) -> torch.Tensor:
+    """fp32 logits [T, vocab] on the host: the prompt ``ids[:n_prompt]`` prefilled, then decode passes of
+    ``width`` tokens of ``ids[n_prompt:-1]`` (a verify batch's shape when > 1), each row predicting the
+    token after it."""
+    cache = make_cache(cfg.cache, cfg.arena, model, len(ids) - 1, cfg.prefill_chunk, verify_width=width)
     prefill_phase(model, cache, ids[:n_prompt], cfg.prefill_chunk)
     step = GraphedModel(model) if model.device.type == "cuda" else model
     feed = torch.tensor(ids[n_prompt:-1], dtype=torch.long, device=model.device)
-    rows = [step(feed[j:j + 1], cache)[-1] for j in tqdm(range(len(feed)), desc=f"forced gemv={model.gemv}")]
-    return torch.stack(rows).float().cpu()
+    passes = range(0, len(feed), width)
+    rows = [step(feed[j:j + width], cache, True) for j in tqdm(passes, desc=f"forced gemv={model.gemv}")]
+    return torch.cat(rows).float().cpu()
 
 
 def greedy(model, cfg: GenerateConfig, tok: Tokenizer, prompt: list[int]) -> list[int]:
@@ -105,6 +108,8 @@ def run(args) -> dict:
     for flag, v in (("--prompt-tokens", args.prompt_tokens), ("--tokens", args.tokens), ("--new-tokens", args.new_tokens)):
         if v < 1:
             raise ValueError(f"{flag}={v}: give a number of tokens >= 1")
+    if not 1 <= args.width <= 16:
+        raise ValueError(f"--width={args.width}: a decode pass of 1 to 16 tokens")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}, but this torch build sees no CUDA device: use --device cpu")
     hw = Hardware(args.device, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
@@ -127,7 +132,7 @@ def run(args) -> dict:
         cfg = GenerateConfig(model=ModelSource(str(path), gemv=gemv), hardware=hw, cache=cache,
                              arena=ArenaConfig("auto"), max_new_tokens=N, ignore_eos=True)
         model = load_model(reader, hw.torch_dtype, hw.device, gemv=gemv)
-        logits[gemv] = teacher_forced(model, cfg, ids, P)
+        logits[gemv] = teacher_forced(model, cfg, ids, P, args.width)
         tokens[gemv] = greedy(model, cfg, tok, ids[:P])
         del model
         gc.collect()
@@ -142,7 +147,7 @@ def run(args) -> dict:
                device_name=torch.cuda.get_device_name(hw.device) if hw.device.startswith("cuda")
                else platform.processor() or platform.machine(),
                dtype=hw.dtype, cache=cache.mode, type_k=cache.type_k if paged else None,
-               type_v=cache.type_v if paged else None, prompt_tokens=P, tokens=T, new_tokens=N,
+               type_v=cache.type_v if paged else None, prompt_tokens=P, tokens=T, width=args.width, new_tokens=N,
                **compare(logits[False], logits[True], torch.tensor(ids[P + 1:])),
                first_diff_on_off=first_diff(tokens[True], tokens[False]),
                first_diff_off_hf=first_diff(tokens[False], hf) if hf is not None else None,
@@ -165,7 +170,9 @@ def main(argv=None) -> None:
     ap.add_argument("--type-k", default="q8_0")
     ap.add_argument("--type-v", default="q4_0")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
-    ap.add_argument("--tokens", type=int, default=512, help="teacher-forced decode passes")
+    ap.add_argument("--tokens", type=int, default=512, help="teacher-forced tokens")
+    ap.add_argument("--width", type=int, default=1,
+                    help="tokens a teacher-forced pass (1: decode steps, kernels/gemv.py; 2-16: verify batches, gemv_mma.py)")
     ap.add_argument("--new-tokens", type=int, default=256, help="greedy tokens")
     ap.add_argument("--transformers", action="store_true", help="greedy tokens of transformers too")
     ap.add_argument("--out", default="results/kernels/gemv/quality")

@@ -44,6 +44,13 @@ def test_cpu_arms_are_identical(tiny, tmp_path):
     assert row.command.startswith("python") and isinstance(row.commit, str)
 
 
+def test_verify_batch_passes(tiny, tmp_path):
+    """``--width 3``: the 8 forced tokens in passes of 3, 3 and 2 rows (a verify batch's shape), every
+    row's logits compared (on CPU both arms still run one code: exact)."""
+    row = quality(tiny, tmp_path, "--width", "3")
+    assert row.width == 3 and row.kld_max == 0 and row.identical_logits == 1.0 and 1 < row.ppl_off < float("inf")
+
+
 def test_greedy_matches_transformers(tiny, tmp_path):
     pytest.importorskip("transformers")
     # dense fp32 KV (a quantized cache differs from transformers' by itself); same dequantized fp32
@@ -59,6 +66,7 @@ BAD = [  # (arguments, what the one line says)
     (["--new-tokens", "-2"], "--new-tokens=-2: give a number of tokens >= 1"),
     (["--prompt-tokens", "1000", "--tokens", "100"], "exceed the model's context of 1024"),
     (["--cache", "dense"], "cache.mode='dense'; choose one of"),
+    (["--width", "17"], "--width=17: a decode pass of 1 to 16 tokens"),
 ]
 
 
