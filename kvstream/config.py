@@ -58,8 +58,8 @@ class ModelSource:
     #                                     the file's values at load (kernels/q8_linear.py reads them on CUDA)
     gemv: bool = False                  # CUDA, dense weights: the layers' single-row decode matmuls by kernels/gemv.py,
     #                                     verify batches' by kernels/gemv_mma.py, the step's Triton kernels launched as
-    #                                     programmatic dependents (PDL), in the target and a draft model
-    #                                     (results/step/gemv: 1.5B step 1.78 -> 1.33 ms at 4K)
+    #                                     programmatic dependents (PDL), in the target, a draft model and an
+    #                                     MTP head (results/step/gemv: 1.5B step 1.78 -> 1.33 ms at 4K)
 
     def __post_init__(self):
         if self.rope_scaling is not None:
