@@ -9,11 +9,11 @@ GPU) and HF transformers with its static cache. Greedy decode of ``--new-tokens`
 Arms: ``kvstream-resident`` (every page in the arena; CUDA-graph decode steps on CUDA),
 ``kvstream-resident-eager`` (the same, ``engine.cuda_graphs=false``: the graph speed-up),
 ``kvstream-stream`` (stream mode with an arena that holds everything: streaming overhead when
-nothing streams), ``kvstream-gemv`` (resident with ``model.gemv``: decode rows by kernels/gemv.py,
-PDL launches; on CPU the resident arm's path), ``llama.cpp``, ``transformers-static``. An arm whose package is missing is
-reported as skipped. Writes ``<out>/<device>_<model>.csv`` and a PNG; decode tok/s counts the
-tokens after the first (the first comes from the prefill's logits) over the time after the
-prefill. ``--profile`` adds ``<out>/profile_<device>_<model>_<context>.csv``: the CUDA time of
+nothing streams), ``kvstream-gemv`` (resident with ``model.gemv``: decode rows by kernels/gemv.py
+and gemv_mma.py, PDL launches; on CPU the resident arm's path), ``llama.cpp``,
+``transformers-static``. An arm whose package is missing is reported as skipped. Writes
+``<out>/<device>_<model>.csv`` and a PNG; decode tok/s counts the tokens after the first (the
+first comes from the prefill's logits) over the time after the prefill. ``--profile`` adds ``<out>/profile_<device>_<model>_<context>.csv``: the CUDA time of
 one eager kvstream decode step per kernel (torch.profiler), the explanation of the speed.
 """
 

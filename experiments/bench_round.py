@@ -136,7 +136,7 @@ def round_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--cache", default="resident", choices=["resident", "stream"],
                     help="the target's cache mode (stream: the studies' setting; with arena auto nothing streams)")
     ap.add_argument("--gemv", action="store_true",
-                    help="model.gemv: the target's (and a draft model's) decode rows by kernels/gemv.py, gemv_mma.py")
+                    help="model.gemv: the target's (and its drafter's) decode rows by kernels/gemv.py, gemv_mma.py")
     ap.add_argument("--out", default="results/round")
     return ap
 

@@ -66,11 +66,12 @@ def decode_matmul(x: torch.Tensor, w, gemv: bool):
     tensor cores (``kernels/gemv_mma.py``) where K < ``MMA_MAX_K`` (the 1.5B's Q/K/V, output, gate/up at
     five rows: 4.7 / 4.4 / 16.9 against cuBLAS's 5.6 / 6.1 / 18.0 us, results/kernels/gemv_mma). None
     otherwise: cuBLAS (more rows, down's verify rows) or q8_0's kernel, the reference on the CPU."""
+    if not gemv or not x.is_cuda or isinstance(w, Q8):  # (before the import: every eager and CPU matmul asks)
+        return None
     from kernels import gemv_mma
 
     n = x.shape[0]
-    if (not gemv or not x.is_cuda or isinstance(w, Q8) or not 1 <= n <= gemv_mma.MAX_ROWS
-            or (n > 1 and x.shape[1] >= MMA_MAX_K)):
+    if not 1 <= n <= gemv_mma.MAX_ROWS or (n > 1 and x.shape[1] >= MMA_MAX_K):
         return None
     if n == 1:
         from kernels.gemv import gemv as kernel
