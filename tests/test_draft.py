@@ -692,6 +692,64 @@ def test_a_device_round_reads_the_device_once(model, host, plain, monkeypatch):
     assert len(reads) == sum(r.verify_width == 5 for r in g.records) and set(reads) == {(2 * 4 + 3,)}
 
 
+@pytest.mark.parametrize("alpha", [None, 0.5])
+def test_a_device_round_stages_the_drafts_next_round_before_its_readback(model, host, plain, alpha, monkeypatch):
+    """``DraftModel.prepare``: before a round's readback the device stages the next round's catch-up
+    ids and the draft cache's pass at the length after the accepted drafts' rows, which the host
+    learns only from the readback; after it the host stages nothing but the round's launch. The same
+    decode with ``prepare`` off: the same tokens and per-round counts (real acceptance: plain
+    decoding's; alpha 0.5: a mix of one- and two-token catch-ups), and the ids and the draft cache's
+    staging the host did after each readback gone from all rounds but the first (and the pass's
+    where a page of the draft cache opens)."""
+    from kvstream.cache.paged import PagedCache
+
+    def decode(prepare: bool):
+        counts, stage, stage_step = {"ids": 0, "widths": []}, DraftModel._stage, PagedCache._stage_step
+        cache = target_cache(model, arena_mib(model, host, 2))
+        draft = new_draft(host, p_min=0.0, sampling=GREEDY, run_ahead=False)
+
+        def ids(self, tokens):
+            counts["ids"] += 1
+            return stage(self, tokens)
+
+        def step(self, n):
+            counts["passes"] = counts.get("passes", 0) + (self is draft.cache)
+            return stage_step(self, n)
+
+        propose = draft.propose_device
+
+        def spy(history, n):
+            counts["widths"].append(len(history) - len(draft.fed))
+            version = draft.cache._tables_version
+            out = propose(history, n)
+            counts["plans"] = counts.get("plans", 0) + (draft.cache._tables_version != version)  # a page opened
+            return out
+
+        draft.propose_device = spy
+        with monkeypatch.context() as m:
+            m.setattr(DraftModel, "_stage", ids)
+            m.setattr(PagedCache, "_stage_step", step)
+            if not prepare:
+                m.delattr(DraftModel, "prepare")
+            g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=4,
+                                     prefill_chunk=CHUNK, control=DraftControl(draft, cache, Never()),
+                                     synthetic_acceptance=alpha, device_rounds=True)
+        if alpha is None:
+            assert g.tokens == plain
+        assert draft.fed == (PROMPT + g.tokens)[:len(draft.fed)]
+        return g, counts, draft.stats.calls
+
+    (g, on, rounds), (g_off, off, rounds_off) = decode(True), decode(False)
+    assert g.tokens == g_off.tokens and [(r.drafted, r.accepted) for r in g.records] == \
+        [(r.drafted, r.accepted) for r in g_off.records]
+    assert rounds == rounds_off >= 8 and on["widths"] == off["widths"]
+    if alpha is not None:
+        assert {1, 2} <= set(on["widths"][1:])  # both catch-up widths were staged on the device
+    assert off["ids"] - on["ids"] == rounds - 1  # every round's ids but the first's: staged by prepare
+    # and its pass of the draft cache, but where a page of it opens (new tables: staged anew)
+    assert off["passes"] - on["passes"] == rounds - 1 - on["plans"] and on["plans"] == off["plans"]
+
+
 @pytest.mark.parametrize("n_max", [4, 15])
 def test_a_device_round_is_one_pass_of_the_draft_cache(model, host, n_max, monkeypatch):
     """A device round's catch-up and its n - 1 draft steps are one ``begin`` / ``commit`` of the

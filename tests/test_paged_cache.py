@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.decode_attention import MAX_N_Q
 from kernels.formats import PAGE_TOKENS, PageFormat
 from kvstream.cache.arena import MIB, Arena, ArenaPlan, ArenaTooSmall
 from kvstream.cache.arena import pair_bytes as pair_of
@@ -600,3 +601,49 @@ def test_a_pass_staged_ahead_is_the_pass_begin_would_stage(model, tokens):
     assert got[4] == 1  # page 1 opens in the begin (new tables): staged anew
     fresh = staged(249, 8)  # (the tables now hold page 1)
     assert torch.equal(got[2], fresh[2]) and int(got[2][0, -1]) // PAGE_TOKENS != int(got[2][0, 0]) // PAGE_TOKENS
+
+
+@torch.inference_mode()
+def test_a_pass_staged_on_the_device_is_used_once_its_length_is_claimed(model, tokens):
+    """``stage_ahead_on_device(length, most, n)`` (a length only the device knows, as a draft model's
+    next one hangs on the verify's accepted count): after ``claim_staged`` tells that length, a
+    ``begin`` there stages nothing and its positions, slots and lengths are those of a begin that
+    stages itself. Unclaimed, after another begin, at another length, after a plan, or with rows
+    that could pass the cache's end, it is not used."""
+    c = paged(model, "resident", verify_width=8)
+    run(model, c, tokens[:250], decode=0)
+    c.set_phase("decode")
+    calls, stage_step = [], c._stage_step
+    c._stage_step = lambda n: (calls.append(n), stage_step(n))[1]
+
+    def begin(length, m):
+        c.length = length  # (no rows are written or read: the staging is a function of the length and tables)
+        before = len(calls)
+        c.begin(m)
+        out = c._step[:MAX_N_Q].clone(), c.pos.clone(), c.slots.clone(), int(c.seq_len), len(calls) - before
+        c._n = 0  # nothing to commit
+        return out
+
+    def on_device(length, most, n, claim=None):
+        c.stage_ahead_on_device(torch.tensor([length]), most, n)
+        if claim is not None:
+            c.claim_staged(claim)
+
+    for length, most, m, n in [(240, 243, 3, 8), (247, 250, 2, 6), (250, 250, 1, 1)]:
+        on_device(length, most, n, claim=length)
+        got = begin(length, m)
+        fresh = begin(length, m)
+        assert got[4] == 0 and fresh[4] == 1, (length, m, n)
+        assert torch.equal(got[1], fresh[1]) and torch.equal(got[2], fresh[2]) and got[3] == fresh[3] == length + m
+    on_device(240, 243, 4)  # unclaimed
+    assert begin(240, 3)[4] == 1
+    on_device(240, 243, 4, claim=241)  # claimed at another length than the begin's
+    assert begin(240, 3)[4] == 1
+    on_device(240, 243, 4)
+    begin(240, 3)  # another begin between the staging and its claim
+    c.claim_staged(240)
+    assert begin(240, 3)[4] == 1
+    on_device(249, 249, 8, claim=249)  # rows 249..256 staged before page 1 had a slot in the tables
+    assert begin(249, 8)[4] == 1  # page 1 opens in the begin: staged anew
+    on_device(240, c.max_tokens - 2, 4, claim=240)  # rows that might pass the end: not staged at all
+    assert begin(240, 3)[4] == 1

@@ -3,7 +3,8 @@
 One device tensor holds a step's positions, every layer's slots and the length after each row,
 written in place by ``begin`` with one host -> device copy from a pinned staging buffer; a
 captured step reads it, so its graph stays valid while positions and slots change. A drafter
-may stage its next pass early (``stage_ahead``), while the device still works on a round. The
+may stage its next pass early (``stage_ahead``; ``stage_ahead_on_device`` where only the device
+knows its next length yet), while the device still works on a round. The
 page tables and round keys of a new plan reach the device the same way (``PinnedUpload``): a
 copy from pageable memory would make the host wait for the device's queued steps at every page
 opening."""
@@ -58,6 +59,7 @@ class StepStaging:
         self._slots = self._step[w:e].view(n_layers, w)
         self._step_upload = PinnedUpload(self._step)
         self._ahead = None  # (length, rows, page tables' version) that stage_ahead staged
+        self._device_ahead = None  # (rows, page tables' version) that stage_ahead_on_device staged
 
     def stage_ahead(self, n: int) -> None:
         """Stage a decode pass of up to ``n`` rows at the current length now, before its
@@ -68,11 +70,29 @@ class StepStaging:
         begin stages as usual."""
         if 0 < n <= MAX_N_Q and self.length + n <= self.max_tokens:
             self._stage_step(n)
-            self._ahead = (self.length, n, self._tables_version)
+            self._ahead, self._device_ahead = (self.length, n, self._tables_version), None
+
+    def stage_ahead_on_device(self, length: torch.Tensor, most: int, n: int) -> None:
+        """``stage_ahead`` at a length the device holds (int64 [1], at most ``most``) and the host does
+        not know yet (a draft model's next length hangs on the verify's accepted count): the positions,
+        slots and lengths from the device's page tables by a few device ops, queued behind the round.
+        A ``begin`` uses them once ``claim_staged`` has told the length, with no plan since."""
+        self._ahead = self._device_ahead = None
+        if 0 < n <= MAX_N_Q and most + n <= self.max_tokens:  # (so no position indexes past the tables)
+            pos = length + torch.arange(n, device=self.device)
+            self._pos[:n] = pos
+            self._slots[:, :n] = self.tables[:, pos // PAGE_TOKENS].long() * PAGE_TOKENS + pos % PAGE_TOKENS
+            self._lens[:n] = pos + 1
+            self._device_ahead = (n, self._tables_version)
+
+    def claim_staged(self, length: int) -> None:
+        """The length ``stage_ahead_on_device`` staged at, now read back: a ``begin`` there stages nothing."""
+        if self._device_ahead is not None:
+            self._ahead, self._device_ahead = (length, *self._device_ahead), None
 
     def _staged(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``begin``'s staging of a decode pass of ``n`` rows: what ``stage_ahead`` left, if it holds."""
-        ahead, self._ahead = self._ahead, None
+        ahead, self._ahead, self._device_ahead = self._ahead, None, None
         if ahead is not None and ahead[0] == self.length and n <= ahead[1] and ahead[2] == self._tables_version:
             return self._pos[:n], self._slots[:, :n]
         return self._stage_step(n)

@@ -27,9 +27,9 @@ whatever the mask, and greedy (or synthetic) acceptance is computed on the devic
 reads back the accepted count and the tokens once, with the draft's and the verify's device
 times (CUDA events). The output is the same as the host round's: a masked token is never
 accepted, and the token after the accepted prefix is the target's argmax there. A drafter with
-``prepare`` (the MTP head) stages its next round's feed before that readback, from the verify's
-states and the kept tokens on the device (``kept_on_device``): after the readback the host
-launches the next round without staging it.
+``prepare`` stages its next round's feed before that readback, from the kept tokens and the
+accepted count on the device (``kept_on_device``; the MTP head also from the verify's states):
+after the readback the host launches the next round without staging it.
 """
 
 from __future__ import annotations
@@ -144,13 +144,14 @@ class _DeviceRound:
         result = accept_on_device(logits, tokens, valid, sampler, alpha)
         t2 = self._mark(2)  # before the readback's own event: done when the read returns, so readable
         rb.start(result)
-        prepare = getattr(winner, "prepare", None) if hidden else None
+        prepare = getattr(winner, "prepare", None)
         if prepare is not None:  # the next round's feed, staged while the device verifies (its few device
-            # copies fall between the verify's events and the next draft's: in neither part's time)
-            prepare(h[:1 + n], kept_on_device(result, n), len(history) - 1)
+            # ops fall between the verify's events and the next draft's: in neither part's time)
+            prepare(kept_on_device(result, n), len(history) - 1, h=h[:1 + n] if hidden else None,
+                    accepted=result[:1])
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
-        winner.read_device_round(toks, n_valid)
+        winner.read_device_round(toks, n_valid, accepted)
         kept = toks[:accepted] + [top[accepted]]
         if hidden:  # the kept rows' states: positions len(history) - 1 .. (the batch's first token on)
             winner.observe(h[:len(kept)], kept, len(history) - 1)

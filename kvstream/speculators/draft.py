@@ -122,6 +122,9 @@ class DraftModel(Speculator):
         # a device round's catch-up tokens, copied from pinned buffers (a pageable copy syncs)
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0  # draft tokens of the device round awaiting read_device_round
+        # the next round's (cache length, catch-up width) that ``prepare`` staged, once its readback told
+        # them ("device" until then)
+        self._prepared: tuple[int, int] | str | None = None
         self.max_width = max_width  # the widest catch-up of a device round (1 + spec.n_max): what warm() captures
         # a device round's catch-up and draft steps as one graph per (catch-up width, draft length)
         self.chains = ChainGraphs(self.device) if graphs and self.device.type == "cuda" else None
@@ -183,7 +186,7 @@ class DraftModel(Speculator):
         The captured graphs stay: their buffers are in the draft's step slab, which the target's
         pages now overwrite, but a replay writes every buffer it reads, and none runs before a
         re-enable pins the weights, KV and slabs at the same addresses again."""
-        self.model = None
+        self.model, self._prepared = None, None
         return unpin(self, arena)
 
     # ---- drafting -----------------------------------------------------------------------
@@ -204,6 +207,7 @@ class DraftModel(Speculator):
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Feed ``tokens`` after ``fed``, a chunk per forward pass; the logits after the last one."""
+        self._prepared = None  # (its passes stage their own ids)
         if self.window and len(tokens) > self.kv_tokens // 2:  # a long catch-up: only the newest half-window counts
             skip = len(tokens) - self.kv_tokens // 2
             self.fed.extend(tokens[:skip])
@@ -317,7 +321,9 @@ class DraftModel(Speculator):
             self.model(self._ids.dst[:len(new) - 1], self.cache)
             self.fed.extend(new[:-1])
             new = new[-1:]
-        self._stage(new)
+        if self._prepared != (self.cache.length, len(new)):  # (else ``prepare`` staged these ids on the device)
+            self._stage(new)
+        self._prepared = None
         out = self._run_chain(len(new), n)
         self.fed.extend(new)
         return out
@@ -357,8 +363,30 @@ class DraftModel(Speculator):
         cache.commit()
         return out
 
-    def read_device_round(self, tokens: list[int], n_valid: int) -> None:
-        """The device round's tokens, read back: the KV holds the first ``n - 1`` after the history."""
+    def prepare(self, kept: torch.Tensor, start: int, h: torch.Tensor | None = None,
+                accepted: torch.Tensor | None = None) -> None:
+        """Stage the next device round before this one's readback, while the device verifies (the host
+        would only wait): its catch-up is the target's token after the accepted drafts (and the last
+        draft too when all n were kept: its row was never fed), at the length after the accepted drafts'
+        rows. Both hang on ``accepted`` (int64 [1] on the device), so the ids (from ``kept`` [1 + n], the
+        round's kept tokens) and the cache's pass (``stage_ahead_on_device``) are made by device ops;
+        the readback then tells the host which (``read_device_round``)."""
+        n = self._round
+        if n == 0 or accepted is None or self.cache is None:
+            return
+        shift = accepted.clamp(max=n - 1)  # the accepted drafts whose rows the chain made
+        self._ids.dst[:2].copy_(kept.gather(0, (shift + torch.arange(2, device=self.device)).clamp(max=n)))
+        at = self.cache.length - (n - 1)  # the rows before the drafts
+        self.cache.stage_ahead_on_device(at + shift, at + n - 1, min(MAX_N_Q, self.max_width))  # any next chain
+        self._prepared = "device"
+
+    def read_device_round(self, tokens: list[int], n_valid: int, accepted: int = 0) -> None:
+        """The device round's tokens, read back: the KV holds the first ``n - 1`` after the history.
+        ``accepted``: the verify's count, which tells where ``prepare`` staged the next round."""
+        if self._prepared == "device":  # ``prepare`` staged this round's successor: where, the count says
+            length = self.cache.length - (self._round - 1) + min(accepted, self._round - 1)
+            self.cache.claim_staged(length)
+            self._prepared = (length, 1 + (accepted == self._round))
         self.fed.extend(tokens[:self._round - 1])
         self._round = 0
         if n_valid:

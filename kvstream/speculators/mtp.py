@@ -304,13 +304,17 @@ class MTPDraft(Speculator):
         self.committed = cache.length - (n - 1)
         return out
 
-    def prepare(self, h: torch.Tensor, kept: torch.Tensor, start: int) -> None:
+    def prepare(self, kept: torch.Tensor, start: int, h: torch.Tensor | None = None,
+                accepted: torch.Tensor | None = None) -> None:
         """Stage the next round's feed before this round's readback, while the device verifies (the
         host would only wait): the feed is this round's kept rows, a prefix of the verify's w rows
         (its states ``h`` [w, feature_dim] from position ``start``, their next tokens ``kept`` [w],
         on the device); the drafted rows roll back now, and the head's cache stages the pass of the
         widest feed and draft. After the readback the round that ``observe`` hands the kept rows
-        to launches without staging them (``_draft``); any other use of the head discards this."""
+        to launches without staging them (``_draft``); any other use of the head discards this.
+        (``accepted``, which a draft model's ``prepare`` reads, is not needed: every kept row is fed.)"""
+        if h is None:
+            return
         w = h.shape[0]
         if not self.enabled or self._backlog or self._rows is not None or self.cache is None:
             return
@@ -328,7 +332,7 @@ class MTPDraft(Speculator):
             self.stats.calls += 1
         return out
 
-    def read_device_round(self, tokens: list[int], n_valid: int) -> None:
+    def read_device_round(self, tokens: list[int], n_valid: int, accepted: int = 0) -> None:
         self._round = 0
         if n_valid:
             self.stats.drafts += 1
