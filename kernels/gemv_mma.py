@@ -112,15 +112,11 @@ def _split_sum_kernel(part, bias, out, N, stride_o, ROWS: tl.constexpr, SPLIT: t
 
 
 def launch_for(n: int, k: int, itemsize: int = 2) -> Launch:
-    """W [n, k]'s launch, read off H200 sweeps at five rows (results/kernels/gemv_mma/): 64 rows of W a
-    program, 256-wide K tiles, 4 stages (within 2.3% of the fastest for the 1.5B's Q/K/V and output); for
-    a matrix of many rows (gate/up's 17920) 128-wide tiles and 2 stages; for a long K (down's 8960) 32
-    rows a program, 128-wide tiles, 3 stages and K split 8 ways (10.3 against cuBLAS's 11.8 us, where one
-    program per row block walking all of K took 15.5: ``split/``). 4-byte values take half as wide
-    tiles: the stages' shared memory stays the 16-bit launch's (fp32's full width needs 240 KB, past
-    the SM's 227)."""
-    if k >= 4096:
-        return Launch(32, min(128 * 2 // itemsize, triton.next_power_of_2(k)), 4, 3, 8)
+    """W [n, k]'s launch: 64 rows of W a program, 256-wide K tiles, 4 stages; for a matrix of many rows
+    (gate/up's 17920) 128-wide tiles and 2 stages. Within 2.3% of the fastest launch of an H200 sweep at
+    five rows for each 1.5B matrix (results/kernels/gemv_mma/sweep.csv). 4-byte values take half as wide
+    tiles: the stages' shared memory stays the 16-bit launch's (fp32's full width needs 240 KB, past the
+    SM's 227)."""
     wide = n >= 8192
     block_k = (128 if wide else 256) * 2 // itemsize
     return Launch(64, min(block_k, max(16, triton.next_power_of_2(k))), 4, 2 if wide else 4)

@@ -115,12 +115,12 @@ def test_training_a_head_refuses_a_q8_target():
 
 
 def test_decode_matmul_routes_few_rows_on_cuda_only():
-    """``model.gemv``'s routing (``weights.decode_matmul``): 1 row -> kernels/gemv.py, 2-16 rows ->
-    kernels/gemv_mma.py (a long K too: its launch splits K); cuBLAS (None) for more rows, q8_0, gemv
+    """``model.gemv``'s routing (``weights.decode_matmul``): 1 row -> kernels/gemv.py, 2-16 rows with K
+    below MMA_MAX_K -> kernels/gemv_mma.py; cuBLAS (None) for more rows, a long K at 2+ rows, q8_0, gemv
     off, and every CPU tensor."""
     from kernels.gemv import gemv
     from kernels.gemv_mma import gemv_mma
-    from kvstream.model.weights import Q8, decode_matmul
+    from kvstream.model.weights import MMA_MAX_K, Q8, decode_matmul
 
     w = torch.zeros(64, 64)
     assert decode_matmul(torch.zeros(1, 64), w, True) is None  # CPU: the reference path
@@ -131,6 +131,7 @@ def test_decode_matmul_routes_few_rows_on_cuda_only():
     assert decode_matmul(x(1), wc, True) is gemv
     assert decode_matmul(x(2), wc, True) is gemv_mma and decode_matmul(x(16), wc, True) is gemv_mma
     assert decode_matmul(x(17), wc, True) is None and decode_matmul(x(1), wc, False) is None
-    wide = torch.zeros(8, 8960, device="cuda")  # down's K
-    assert decode_matmul(x(1, 8960), wide, True) is gemv and decode_matmul(x(5, 8960), wide, True) is gemv_mma
+    wide = torch.zeros(8, MMA_MAX_K, device="cuda")
+    assert decode_matmul(x(1, MMA_MAX_K), wide, True) is gemv and decode_matmul(x(5, MMA_MAX_K), wide, True) is None
+    assert decode_matmul(x(5, MMA_MAX_K - 32), wide[:, 32:], True) is gemv_mma
     assert decode_matmul(x(1), Q8.of(wc), True) is None

@@ -56,19 +56,24 @@ class Q8:
             tokens.shape[0], -1).to(dtype)
 
 
+# a verify batch's matmuls with a longer K (down's 8960) stay with cuBLAS: 15.9 against 11.9 us; K split 8 ways was
+# 10.3 us alone but made the five-row chain 1182 -> 1319 us (results/kernels/gemv_mma/split)
+MMA_MAX_K = 4096
+
+
 def decode_matmul(x: torch.Tensor, w, gemv: bool):
     """With ``gemv``, the Triton matmul a dense weight's pass of few rows takes on CUDA, launched as a
     programmatic dependent of the kernel before (its weight read while that kernel ends): one row on
     the CUDA cores (``kernels/gemv.py``), 2-16 rows (a verify batch, a short prefill chunk) on the
-    tensor cores (``kernels/gemv_mma.py``; the 1.5B's Q/K/V, output, gate/up, down at five rows: 4.6 /
-    4.3 / 16.8 / 10.3 against cuBLAS's 5.6 / 5.7 / 16.9 / 11.8 us, results/kernels/gemv_mma). None
-    otherwise: cuBLAS (more rows) or q8_0's kernel, the reference on the CPU."""
+    tensor cores (``kernels/gemv_mma.py``) where K < ``MMA_MAX_K`` (the 1.5B's Q/K/V, output, gate/up at
+    five rows: 4.7 / 4.4 / 16.9 against cuBLAS's 5.6 / 6.1 / 18.0 us, results/kernels/gemv_mma). None
+    otherwise: cuBLAS (more rows, down's verify rows) or q8_0's kernel, the reference on the CPU."""
     if not gemv or not x.is_cuda or isinstance(w, Q8):  # (before the import: every eager and CPU matmul asks)
         return None
     from kernels import gemv_mma
 
     n = x.shape[0]
-    if not 1 <= n <= gemv_mma.MAX_ROWS:
+    if not 1 <= n <= gemv_mma.MAX_ROWS or (n > 1 and x.shape[1] >= MMA_MAX_K):
         return None
     if n == 1:
         from kernels.gemv import gemv as kernel
