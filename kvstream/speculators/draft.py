@@ -12,7 +12,9 @@ probability falls below ``p_min`` (llama.cpp's rule). After the round its KV hol
 accepted history (``_accepted`` rolls it back past the last accepted token). A greedy device
 round (``propose_device``) runs its catch-up and draft steps as one pass of the draft's cache, on
 CUDA one captured graph per (catch-up width, draft length) (``ChainGraphs``): the host launches
-a round once instead of once per step, and reads nothing until the verify's readback.
+a round once instead of once per step, and reads nothing until the verify's readback. Before that
+readback, while the device verifies, ``prepare`` stages the next round (its catch-up ids and its cache
+pass, at a length that hangs on the accepted count: by device ops), so after it the host only launches.
 
 Deviations from llama.cpp, and why:
 - ``p_min`` is tested on the draft's full softmax at temperature 1; llama.cpp tests the top
