@@ -9,7 +9,7 @@ alone, and whole rounds with the host reading each draft token or the round on t
 Random weights at the real shapes (skeleton GGUFs) with synthetic acceptance 1.0 (every draft
 token kept, every round k + 1 tokens: times only), resident caches, graphed steps. The parts:
 the target's captured 1 + k step and the draft's captured one-token step, replayed alone
-(CUDA events over 50 back-to-back replays); the rounds: ``run_decode`` with
+(device time by CUDA events, the median of 50 replays each queued behind a device sleep); the rounds: ``run_decode`` with
 ``engine.device_rounds`` off and on, each round's host wall time (``StepRecord.step_s``). The
 goal (issue #28): a device round <= verify + k x draft + 0.15 ms. With ``--mtp`` the draft is
 an MTP head (a GGUF, or ``random``: seeded random weights made for the target, with
@@ -28,6 +28,7 @@ command and provenance).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from dataclasses import replace
@@ -46,9 +47,15 @@ from kvstream.model.qwen import load_model
 from kvstream.model.tokenizer import Tokenizer
 
 
+SLEEP_CYCLES = 2_000_000  # ~1 ms of the H200's clock: longer than the host takes to stage and launch one step
+
+
 def step_ms(graphed, cache, width: int, reps: int = 50, hidden: bool = False) -> float:
-    """One captured step of ``width`` tokens at the cache's end, replayed ``reps`` times back to
-    back (the host queues ahead, as a decode does): device ms per step, by CUDA events."""
+    """One captured step of ``width`` tokens at the cache's end: its device time in ms (CUDA events),
+    the median of ``reps`` replays, each queued behind a ~1 ms device sleep so that the host's part
+    (``cache.begin``'s staging, the launch: 0.1-0.3 ms) falls inside the sleep. Replays queued back to
+    back measured the host instead wherever a step is shorter than that: an MTP head's one-row step read
+    0.149 and 0.329 ms in two leases (results/round)."""
     n, tokens = cache.length, torch.randint(0, graphed.cfg.vocab_size, (width,), device="cuda")
 
     def call():
@@ -57,13 +64,16 @@ def step_ms(graphed, cache, width: int, reps: int = 50, hidden: bool = False) ->
     for _ in range(3):  # capture, warm
         call()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
+    times = []
     for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        a.record()
         call()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
 def report(paths: list[str]) -> str:
