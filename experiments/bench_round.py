@@ -91,15 +91,18 @@ def report(paths: list[str]) -> str:
         for r in d.itertuples():
             parts = (f"{r.verify_ms:.3f} + {r.feed_ms:.3f} + {r.k - 1} x {r.draft_step_ms:.3f}" if mtp else
                      f"{r.verify_ms:.3f} + {r.k} x {r.draft_step_ms:.3f}")
+            catch_up = "" if mtp or pd.isna(getattr(r, "feed_ms", None)) else \
+                f" (its 2-row catch-up: {r.feed_ms:.3f} ms)"  # (CSVs before it have none)
             lines.append(f"| `{Path(p).name}` ({str(r.git_commit)[:7]}) | {'MTP head' if mtp else 'draft model'}, k = {r.k} | "
-                         f"{r.arm} | {r.round_ms:.3f} ms | {parts} = {r.parts_ms:.3f} ms | {r.excess_ms:+.3f} ms | "
+                         f"{r.arm} | {r.round_ms:.3f} ms | {parts} = {r.parts_ms:.3f} ms{catch_up} | {r.excess_ms:+.3f} ms | "
                          f"{r.draft_ms:.3f} ms | {r.tok_s:.0f} |")
     return "\n".join(lines)
 
 
 def parts(args, base, model, tok, prompt) -> tuple[float, float | None, float, float]:
-    """(verify, feed or None, draft step, their round's sum) in ms: the target's captured 1 + k step and the
-    drafter's steps, each replayed alone after a short decode that pins the drafter."""
+    """(verify, feed, draft step, their round's sum) in ms: the target's captured 1 + k step and the
+    drafter's steps, each replayed alone after a short decode that pins the drafter. The feed is an MTP
+    head's pass of the k + 1 kept rows (in the sum), or a draft model's two-row catch-up (not in it)."""
     cfg = replace(base, engine=EngineConfig(device_rounds=True), max_new_tokens=8)
     res = run_decode(cfg, model, tok, prompt)
     verify = step_ms(GraphedModel(model), res.cache, 1 + args.k)
@@ -110,8 +113,10 @@ def parts(args, base, model, tok, prompt) -> tuple[float, float | None, float, f
         feed, draft_step = (step_ms(head.step, head.cache, w, hidden=True) for w in (1 + args.k, 1))
         return verify, feed, draft_step, verify + feed + (args.k - 1) * draft_step
     draft = res.chain.get("draft")
-    draft_step = step_ms(draft.model, draft.cache, 1)
-    return verify, None, draft_step, verify + args.k * draft_step
+    # the parts count k one-row steps (#28's formula); a round's first pass catches up 2 rows at full
+    # acceptance (the last draft and the target's token): timed too, outside the sum, to tell that share
+    draft_step, feed = (step_ms(draft.model, draft.cache, w) for w in (1, 2))
+    return verify, feed, draft_step, verify + args.k * draft_step
 
 
 def random_head(args, model) -> str:

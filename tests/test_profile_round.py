@@ -119,3 +119,20 @@ def test_round_report_takes_each_arms_medians_over_reps(tmp_path):
     device = d[d.arm == "device"].iloc[0]
     assert f"device, median of 3 reps (excess {device.excess_ms:+.3f} to {device.excess_ms + 0.02:+.3f})" in table
     assert f"{device.excess_ms + 0.01:+.3f} ms" in table and "k = 4 |" in table
+
+
+def test_round_report_shows_a_draft_models_two_row_catch_up_outside_its_parts(tmp_path):
+    """A draft model's row may carry its two-row catch-up (``feed_ms``): the report shows it beside the
+    parts, whose sum (#28's verify + k x step) it does not enter; CSVs without it show no note."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from experiments.bench_round import report
+
+    path = Path(__file__).parents[1] / "results/round/round_4096_k4_gemv_489ae50_1.csv"
+    d = pd.read_csv(path)
+    d.assign(feed_ms=0.8).to_csv(tmp_path / "r.csv", index=False)
+    table, before = report([str(tmp_path / "r.csv")]), report([str(path)])
+    device = d[d.arm == "device"].parts_ms.median()
+    assert f"= {device:.3f} ms (its 2-row catch-up: 0.800 ms) |" in table and "catch-up" not in before
