@@ -14,7 +14,8 @@ the target's captured 1 + k step and the draft's captured one-token step, replay
 goal (issue #28): a device round <= verify + k x draft + 0.15 ms. With ``--mtp`` the draft is
 an MTP head (a GGUF, or ``random``: seeded random weights made for the target, with
 ``--draft-vocab`` rows of its LM head); a round's drafting is then a feed of the k + 1 kept
-rows and k - 1 one-row steps, so its parts are verify + feed + (k - 1) x step. ``--alpha``
+rows and k - 1 one-row steps, so its parts are verify + feed + (k - 1) x step (a draft model's first
+pass catches up two rows at full acceptance: timed too, shown beside its parts, not in them). ``--alpha``
 below 1 keeps each draft token with that probability (rounds of varying width, as real acceptance
 gives; the parts stay a full round's, a narrower feed costing a little less), ``--alpha real`` lets
 the target verify (with real weights and ``--prompt review``, the studies' prompt: real acceptance),
