@@ -51,16 +51,18 @@ from kvstream.model.tokenizer import Tokenizer
 SLEEP_CYCLES = 2_000_000  # ~1 ms of the H200's clock: longer than the host takes to stage and launch one step
 
 
-def step_ms(graphed, cache, width: int, reps: int = 50, hidden: bool = False) -> float:
+def step_ms(graphed, cache, width: int, reps: int = 50, hidden: bool = False, all_logits: bool | None = None) -> float:
     """One captured step of ``width`` tokens at the cache's end: its device time in ms (CUDA events),
     the median of ``reps`` replays, each queued behind a ~1 ms device sleep so that the host's part
     (``cache.begin``'s staging, the launch: 0.1-0.3 ms) falls inside the sleep. Replays queued back to
     back measured the host instead wherever a step is shorter than that: an MTP head's one-row step read
-    0.149 and 0.329 ms in two leases (results/round)."""
+    0.149 and 0.329 ms in two leases (results/round). ``all_logits`` (default: ``width > 1``, a verify's
+    and a head's feed): every row's logits, else the last row's (a draft model's catch-up)."""
     n, tokens = cache.length, torch.randint(0, graphed.cfg.vocab_size, (width,), device="cuda")
+    every = width > 1 if all_logits is None else all_logits
 
     def call():
-        graphed(tokens, cache, width > 1, hidden)
+        graphed(tokens, cache, every, hidden)
         cache.truncate(n)
     for _ in range(3):  # capture, warm
         call()
@@ -116,7 +118,7 @@ def parts(args, base, model, tok, prompt) -> tuple[float, float | None, float, f
     draft = res.chain.get("draft")
     # the parts count k one-row steps (#28's formula); a round's first pass catches up 2 rows at full
     # acceptance (the last draft and the target's token): timed too, outside the sum, to tell that share
-    draft_step, feed = (step_ms(draft.model, draft.cache, w) for w in (1, 2))
+    draft_step, feed = (step_ms(draft.model, draft.cache, w, all_logits=False) for w in (1, 2))
     return verify, feed, draft_step, verify + args.k * draft_step
 
 

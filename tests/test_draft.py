@@ -692,21 +692,23 @@ def test_a_device_round_reads_the_device_once(model, host, plain, monkeypatch):
     assert len(reads) == sum(r.verify_width == 5 for r in g.records) and set(reads) == {(2 * 4 + 3,)}
 
 
-@pytest.mark.parametrize("alpha", [None, 0.5])
-def test_a_device_round_stages_the_drafts_next_round_before_its_readback(model, host, plain, alpha, monkeypatch):
+@pytest.mark.parametrize("alpha, p_min", [(None, 0.0), (0.5, 0.0), (None, 0.1)])
+def test_a_device_round_stages_the_drafts_next_round_before_its_readback(model, host, plain, alpha, p_min,
+                                                                          monkeypatch):
     """``DraftModel.prepare``: before a round's readback the device stages the next round's catch-up
     ids and the draft cache's pass at the length after the accepted drafts' rows, which the host
-    learns only from the readback; after it the host stages nothing but the round's launch. The same
-    decode with ``prepare`` off: the same tokens and per-round counts (real acceptance: plain
-    decoding's; alpha 0.5: a mix of one- and two-token catch-ups), and the ids and the draft cache's
-    staging the host did after each readback gone from all rounds but the first (and the pass's
-    where a page of the draft cache opens)."""
+    learns only from the readback; after it the host stages nothing but the round's launch. Every
+    chain starts from the ids of the history's next tokens (checked before each), and the decode
+    with ``prepare`` off gives the same tokens and per-round counts (real acceptance: plain
+    decoding's; alpha 0.5: one- and two-token catch-ups; p_min 0.02: rounds with every draft
+    masked), with the ids and the draft cache's staging the host did after each readback gone from
+    all rounds but the first (and the pass's where a page of the draft cache opens)."""
     from kvstream.cache.paged import PagedCache
 
     def decode(prepare: bool):
-        counts, stage, stage_step = {"ids": 0, "widths": []}, DraftModel._stage, PagedCache._stage_step
+        counts, stage, stage_step = {"ids": 0, "widths": [], "plans": 0}, DraftModel._stage, PagedCache._stage_step
         cache = target_cache(model, arena_mib(model, host, 2))
-        draft = new_draft(host, p_min=0.0, sampling=GREEDY, run_ahead=False)
+        draft = new_draft(host, p_min=p_min, sampling=GREEDY, run_ahead=False)
 
         def ids(self, tokens):
             counts["ids"] += 1
@@ -716,16 +718,20 @@ def test_a_device_round_stages_the_drafts_next_round_before_its_readback(model, 
             counts["passes"] = counts.get("passes", 0) + (self is draft.cache)
             return stage_step(self, n)
 
-        propose = draft.propose_device
+        propose, run_chain = draft.propose_device, draft._run_chain
 
         def spy(history, n):
             counts["widths"].append(len(history) - len(draft.fed))
-            version = draft.cache._tables_version
+            counts["history"], version = history, draft.cache._tables_version
             out = propose(history, n)
-            counts["plans"] = counts.get("plans", 0) + (draft.cache._tables_version != version)  # a page opened
+            counts["plans"] += draft.cache._tables_version != version  # a page opened
             return out
 
-        draft.propose_device = spy
+        def chain(w, n):  # the ids a chain starts from: the history's next w tokens, however staged
+            assert draft._ids.dst[:w].tolist() == counts["history"][len(draft.fed):len(draft.fed) + w]
+            return run_chain(w, n)
+
+        draft.propose_device, draft._run_chain = spy, chain
         with monkeypatch.context() as m:
             m.setattr(DraftModel, "_stage", ids)
             m.setattr(PagedCache, "_stage_step", step)
@@ -737,6 +743,9 @@ def test_a_device_round_stages_the_drafts_next_round_before_its_readback(model, 
         if alpha is None:
             assert g.tokens == plain
         assert draft.fed == (PROMPT + g.tokens)[:len(draft.fed)]
+        if prepare:  # a next request stages its own first round: nothing of this one's is taken for it
+            draft.begin(PROMPT + g.tokens)
+            assert draft._prepared is None
         return g, counts, draft.stats.calls
 
     (g, on, rounds), (g_off, off, rounds_off) = decode(True), decode(False)
@@ -745,6 +754,8 @@ def test_a_device_round_stages_the_drafts_next_round_before_its_readback(model, 
     assert rounds == rounds_off >= 8 and on["widths"] == off["widths"]
     if alpha is not None:
         assert {1, 2} <= set(on["widths"][1:])  # both catch-up widths were staged on the device
+    if p_min:
+        assert any(r.drafted == 0 for r in g.records[1:])  # rounds whose drafts were all masked
     assert off["ids"] - on["ids"] == rounds - 1  # every round's ids but the first's: staged by prepare
     # and its pass of the draft cache, but where a page of it opens (new tables: staged anew)
     assert off["passes"] - on["passes"] == rounds - 1 - on["plans"] and on["plans"] == off["plans"]

@@ -620,7 +620,10 @@ def test_a_pass_staged_on_the_device_is_used_once_its_length_is_claimed(model, t
         c.length = length  # (no rows are written or read: the staging is a function of the length and tables)
         before = len(calls)
         c.begin(m)
-        out = c._step[:MAX_N_Q].clone(), c.pos.clone(), c.slots.clone(), int(c.seq_len), len(calls) - before
+        # the static buffers a captured pass reads (positions, slots, the lengths after each row: the
+        # kernels' seq_len on CUDA) and what begin hands the layers
+        out = (c._pos[:m].clone(), c._slots[:, :m].clone(), c._lens[:m].clone()), c.pos.clone(), c.slots.clone(), \
+            int(c.seq_len), len(calls) - before
         c._n = 0  # nothing to commit
         return out
 
@@ -635,6 +638,8 @@ def test_a_pass_staged_on_the_device_is_used_once_its_length_is_claimed(model, t
         fresh = begin(length, m)
         assert got[4] == 0 and fresh[4] == 1, (length, m, n)
         assert torch.equal(got[1], fresh[1]) and torch.equal(got[2], fresh[2]) and got[3] == fresh[3] == length + m
+        assert all(torch.equal(a, b) for a, b in zip(got[0], fresh[0]))
+        assert torch.equal(got[0][2], torch.arange(length + 1, length + m + 1))
     on_device(240, 243, 4)  # unclaimed
     assert begin(240, 3)[4] == 1
     on_device(240, 243, 4, claim=241)  # claimed at another length than the begin's

@@ -151,8 +151,8 @@ class _DeviceRound:
                     accepted=result[:1])
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
-        winner.read_device_round(toks, n_valid, accepted)
         kept = toks[:accepted] + [top[accepted]]
+        winner.read_device_round(toks, n_valid, kept)
         if hidden:  # the kept rows' states: positions len(history) - 1 .. (the batch's first token on)
             winner.observe(h[:len(kept)], kept, len(history) - 1)
         return kept, n_valid, self._between(t0, t1), self._between(t1, t2)

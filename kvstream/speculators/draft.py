@@ -124,9 +124,9 @@ class DraftModel(Speculator):
         # a device round's catch-up tokens, copied from pinned buffers (a pageable copy syncs)
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0  # draft tokens of the device round awaiting read_device_round
-        # the next round's (cache length, catch-up width) that ``prepare`` staged, once its readback told
+        # the next round's (cache length, catch-up ids) that ``prepare`` staged, once its readback told
         # them ("device" until then)
-        self._prepared: tuple[int, int] | str | None = None
+        self._prepared: tuple[int, tuple[int, ...]] | str | None = None
         self.max_width = max_width  # the widest catch-up of a device round (1 + spec.n_max): what warm() captures
         # a device round's catch-up and draft steps as one graph per (catch-up width, draft length)
         self.chains = ChainGraphs(self.device) if graphs and self.device.type == "cuda" else None
@@ -242,6 +242,7 @@ class DraftModel(Speculator):
 
     def begin(self, prompt: list[int]) -> None:
         """Read the prompt (all but its last token, which the first round feeds) into the draft KV."""
+        self._prepared = None  # a new request: nothing staged for it
         if self.model is not None and len(prompt) > 1:
             self._truncate(min(_common_prefix(self.fed, list(prompt)), len(prompt) - 1))
             if len(self.fed) < len(prompt) - 1:
@@ -250,6 +251,7 @@ class DraftModel(Speculator):
     def warm(self) -> None:
         """CUDA: compile (and capture) a draft step or catch-up of each width up to MAX_N_Q, and
         (graphs) a device round's chain of each catch-up width at the longest draft."""
+        self._prepared = None  # (its chains overwrite the staged ids)
         if self.model is None:
             return
         warm_widths(self.model, self.cache, [(w, False) for w in range(1, MAX_N_Q + 1)])
@@ -323,7 +325,7 @@ class DraftModel(Speculator):
             self.model(self._ids.dst[:len(new) - 1], self.cache)
             self.fed.extend(new[:-1])
             new = new[-1:]
-        if self._prepared != (self.cache.length, len(new)):  # (else ``prepare`` staged these ids on the device)
+        if self._prepared != (self.cache.length, tuple(new)):  # (else ``prepare`` staged these ids on the device)
             self._stage(new)
         self._prepared = None
         out = self._run_chain(len(new), n)
@@ -382,18 +384,22 @@ class DraftModel(Speculator):
         self.cache.stage_ahead_on_device(at + shift, at + n - 1, min(MAX_N_Q, self.max_width))  # any next chain
         self._prepared = "device"
 
-    def read_device_round(self, tokens: list[int], n_valid: int, accepted: int = 0) -> None:
+    def read_device_round(self, tokens: list[int], n_valid: int, kept: list[int]) -> None:
         """The device round's tokens, read back: the KV holds the first ``n - 1`` after the history.
-        ``accepted``: the verify's count, which tells where ``prepare`` staged the next round."""
-        if self._prepared == "device":  # ``prepare`` staged this round's successor: where, the count says
-            length = self.cache.length - (self._round - 1) + min(accepted, self._round - 1)
+        ``kept``: the round's kept tokens (the accepted drafts, then the target's), which tell where
+        ``prepare`` staged the next round and with which catch-up ids."""
+        if self._prepared == "device":  # ``prepare`` staged this round's successor
+            done = min(len(kept) - 1, self._round - 1)  # accepted drafts whose rows the chain made
+            length = self.cache.length - (self._round - 1) + done
             self.cache.claim_staged(length)
-            self._prepared = (length, 1 + (accepted == self._round))
+            self._prepared = (length, tuple(kept[done:]))
         self.fed.extend(tokens[:self._round - 1])
         self._round = 0
         if n_valid:
             self.stats.drafts += 1
             self.stats.drafted_tokens += n_valid
+        else:  # every draft masked (p_min): no feedback comes (Speculator.accepted), so the drafted rows go now
+            self._truncate(self._at)
 
     def _accepted(self, n_drafted: int, n_accepted: int) -> None:
         self._truncate(self._at + n_accepted)  # the draft KV holds exactly the accepted history

@@ -332,7 +332,7 @@ class MTPDraft(Speculator):
             self.stats.calls += 1
         return out
 
-    def read_device_round(self, tokens: list[int], n_valid: int, accepted: int = 0) -> None:
+    def read_device_round(self, tokens: list[int], n_valid: int, kept: list[int]) -> None:
         self._round = 0
         if n_valid:
             self.stats.drafts += 1
