@@ -102,7 +102,7 @@ def report(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-def parts(args, base, model, tok, prompt) -> tuple[float, float | None, float, float]:
+def parts(args, base, model, tok, prompt) -> tuple[float, float, float, float]:
     """(verify, feed, draft step, their round's sum) in ms: the target's captured 1 + k step and the
     drafter's steps, each replayed alone after a short decode that pins the drafter. The feed is an MTP
     head's pass of the k + 1 kept rows (in the sum), or a draft model's two-row catch-up (not in it)."""
