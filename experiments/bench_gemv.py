@@ -1,4 +1,4 @@
-"""Decode matmuls by Triton kernels (kernels/gemv.py, gemv_mma.py) against bf16 cuBLAS, alone and in a layer chain.
+"""Decode matmuls by Triton kernels (kernels/gemv.py, gemv_mma.py, q8_gemv.py) against bf16 cuBLAS, alone and in a layer chain.
 
     python -m experiments.bench_gemv --out results/kernels/gemv [--rows 1 5] [--sweep]
 
@@ -6,10 +6,13 @@ Per matrix of a Qwen2.5-Coder layer (fused Q/K/V with its bias, output, fused ga
 each ``--rows`` count: cuBLAS (``F.linear``), the CUDA-core kernel (``gemv``, up to 8 rows), it
 launched as a programmatic dependent (``gemv_pdl``: its first weight tile read while the call
 before it ends) and the tensor-core kernel so launched (``mma_pdl``, up to 16 rows: a verify
-batch), each a CUDA graph of calls over weight sets that rotate past the L2
-(``common.time_graph``); bytes, the fraction of the 1 GiB read ceiling measured in the same run,
-the largest error against the fp64 product. ``--sweep``: the kernels' launch grids with PDL, the
-CUDA-core one at one row, the tensor-core one at five (the data behind each ``launch_for``).
+batch), and for the same values in q8_0 blocks ``kernels/q8_linear.py`` (``q8_linear``, tensor cores,
+as ``model.weights=q8_0`` runs without ``model.gemv``) and ``kernels/q8_gemv.py`` launched as a dependent
+(``q8_pdl``, up to 8 rows); each a CUDA graph of calls over weight sets that rotate past the L2
+(``common.time_graph``); bytes (each arm's own), the fraction of the 1 GiB read ceiling measured in the
+same run, the largest error against the fp64 product (of the dequantized weight for the q8_0 arms). The
+LM head is timed alone, not in the chain. ``--sweep``: the kernels' launch grids with PDL, the CUDA-core
+ones at one row, the tensor-core one at five (the data behind each ``launch_for``).
 
 Then the chain: every layer's add + RMSNorm, Q/K/V, output, add + RMSNorm, gate/up, SwiGLU, down
 (no attention: the output projection reads Q's columns), n_layers distinct weight sets, one CUDA
@@ -17,7 +20,8 @@ graph: a decode step's matmuls and the kernels between them, in the arms ``cubla
 ``gemv_pdl`` (the norms and SwiGLU also launched as programmatic dependents), ``gemv_pdl_glu``
 (SwiGLU in gate/up's epilogue, as ``model.gemv`` runs one row), ``mma_pdl_glu`` (the same with
 the tensor-core kernel for every matrix) and ``gemv_pdl_model`` (each matmul as ``model.gemv`` routes
-it: ``weights.decode_matmul``, cuBLAS where it gives none). Neither PDL nor the fold changes the
+it: ``weights.decode_matmul``, cuBLAS where it gives none); with the weights in q8_0, ``q8_linear_model``
+(``model.weights=q8_0``) and ``q8_pdl_model`` (with ``model.gemv``). Neither PDL nor the fold changes the
 arithmetic: ``gemv_pdl`` and ``gemv_pdl_glu`` must equal ``gemv`` bit for bit (checked). Writes
 ``gemv.csv``, ``chain.csv`` (and ``sweep.csv``) with the GPU, commit and command; prints the tables.
 
@@ -37,33 +41,44 @@ import triton
 
 from experiments.bench_q8_linear import MODELS as Q8_MODELS
 from experiments.common import CUDA, DEV, ceilings, git_state, n_sets, time_graph
-from kernels import gemv as cuda_core, gemv_mma as mma
+from kernels import gemv as cuda_core, gemv_mma as mma, q8_gemv
+from kernels.reference import q8_dense
 from kvstream.model import weights
 from kernels.rms_norm import add_rms_norm
 from kernels.swiglu import silu_mul
 
-# name -> (layers, hidden, {matrix: (N, K)}): bench_q8_linear's shapes, the layer matrices (the LM head stays cuBLAS)
-MODELS = {name: (layers, mats["wo"][1], {m: s for m, s in mats.items() if m != "lm_head"})
-          for name, (layers, mats) in Q8_MODELS.items()}
-MATRIX_ARMS = ("cublas", "gemv", "gemv_pdl", "mma_pdl")
-ARMS = ("cublas", "gemv", "gemv_pdl", "gemv_pdl_glu", "mma_pdl_glu", "gemv_pdl_model")
+# name -> (layers, hidden, {matrix: (N, K)}): bench_q8_linear's shapes; the layer's matrices make the chain
+MODELS = {name: (layers, mats["wo"][1], mats) for name, (layers, mats) in Q8_MODELS.items()}
+MATRIX_ARMS = ("cublas", "gemv", "gemv_pdl", "mma_pdl", "q8_linear", "q8_pdl")
+ARMS = ("cublas", "gemv", "gemv_pdl", "gemv_pdl_glu", "mma_pdl_glu", "gemv_pdl_model", "q8_linear_model",
+        "q8_pdl_model")
 EPS = 1e-6
-SWEEPS = (("gemv_pdl", 1), ("mma_pdl", 5))  # --sweep: each kernel's launch grid at this many rows
+SWEEPS = (("gemv_pdl", 1), ("mma_pdl", 5), ("q8_pdl", 1))  # --sweep: each kernel's launch grid at this many rows
 
 
 def arms_for(arms, n: int) -> list[str]:
-    """The arms that take n rows: the CUDA-core kernel up to 8, the tensor-core one up to 16."""
-    return [a for a in arms if not (a.startswith("gemv") and a != "gemv_pdl_model" and n > cuda_core.MAX_ROWS)
+    """The arms that take n rows: the CUDA-core kernels up to 8, the tensor-core one up to 16."""
+    return [a for a in arms if not (a in ("gemv", "gemv_pdl", "gemv_pdl_glu", "q8_pdl") and n > cuda_core.MAX_ROWS)
             and not ((a.startswith("mma") or a == "gemv_pdl_model") and n > mma.MAX_ROWS)]
+
+
+def q8(arm: str) -> bool:
+    """Whether the arm reads the weights in q8_0 blocks."""
+    return arm.startswith("q8")
 
 
 def matmul(arm: str, launch=None):
     """The arm's x @ w^T (+ b); ``glu=True`` calls return SwiGLU of a gate/up product."""
-    if arm == "gemv_pdl_model":
-        return lambda x, w, b=None, glu=False: (weights.swiglu(x, w, silu_mul, True) if glu
-                                                else weights.linear(x, w, b, True))
+    if arm.endswith("_model"):  # as the model runs its matmuls, with model.gemv (pdl) or without
+        on = "pdl" in arm
+        return lambda x, w, b=None, glu=False: (weights.swiglu(x, w, silu_mul, on) if glu
+                                                else weights.linear(x, w, b, on))
     if arm == "cublas":
         return lambda x, w, b=None: F.linear(x, w, b)
+    if arm == "q8_linear":
+        return lambda x, w, b=None: weights.linear(x, w, b)
+    if arm == "q8_pdl":
+        return lambda x, w, b=None, glu=False: q8_gemv.q8_gemv(x, w.q, w.d, b, glu=glu, pdl=True, launch=launch)
     kernel = mma.gemv_mma if arm.startswith("mma") else cuda_core.gemv
     return lambda x, w, b=None, glu=False: kernel(x, w, b, glu=glu, pdl="pdl" in arm, launch=launch)
 
@@ -72,26 +87,33 @@ def _weights(N, K, gen, count):
     return [(torch.randn(N, K, device=DEV, generator=gen) / K ** 0.5).to(torch.bfloat16) for _ in range(count)]
 
 
-def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl") -> list[dict]:
-    """Each arm at the default launch; with ``configs``, ``arm`` at each launch of the grid."""
+def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl", arms=MATRIX_ARMS) -> list[dict]:
+    """Each of ``arms`` at the default launch; with ``configs``, ``arm`` at each launch of the grid."""
     ws = _weights(N, K, gen, n_sets(2 * N * K))
+    run = arms_for(arms, n) if configs == (None,) else [arm]
+    qs = [weights.Q8.of(w) for w in ws] if any(map(q8, run)) else None
     b = torch.randn(N, device=DEV, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(n, K, device=DEV, generator=gen).to(torch.bfloat16)
-    nbytes = 2 * N * K + 2 * n * (K + N)
-    ref = x.double() @ ws[0].double().T + (b.double() if bias else 0)
+    io = 2 * n * (K + N)
+    refs = {False: x.double() @ ws[0].double().T + (b.double() if bias else 0)}
+    if qs:
+        refs[True] = x.double() @ q8_dense(qs[0].q, qs[0].d).double().T + (b.double() if bias else 0)
     rows = []
     for c in configs:
-        # the launches: a sweep's config, or each kernel's rule (launch: the CUDA-core one's, mma_launch)
+        # the launches: a sweep's config, or each kernel's rule (launch: the CUDA-core one's, mma_launch, q8_launch)
         row = dict(N=N, K=K, n=n, bias=bias, default=c is None, launch=str(tuple(
-            c or cuda_core.launch_for(N, K))), mma_launch=None if c else str(tuple(mma.launch_for(N, K))))
-        for a in arms_for(MATRIX_ARMS, n) if c is None else (arm,):
-            fn = matmul(a, c)
+            c or cuda_core.launch_for(N, K))), mma_launch=None if c else str(tuple(mma.launch_for(N, K))),
+            q8_launch=None if c else str(tuple(q8_gemv.launch_for(N, K))))
+        for a in run:
+            fn, wset = matmul(a, c), qs if q8(a) else ws
             try:
-                us = time_graph([(lambda w=w: fn(x, w, b)) for w in ws])
+                us = time_graph([(lambda w=w: fn(x, w, b)) for w in wset])
             except triton.runtime.errors.OutOfResources as e:  # a sweep's launch past the SM's shared memory
                 print(f"{N}x{K} n={n} {a} {c}: {e}", flush=True)
                 continue
-            err = ((fn(x, ws[0], b).double() - ref).abs().max() / ref.abs().max()).item()
+            ref = refs[q8(a)]
+            err = ((fn(x, wset[0], b).double() - ref).abs().max() / ref.abs().max()).item()
+            nbytes = wset[0].nbytes + io
             row |= {f"{a}_us": us, f"{a}_frac_read": nbytes / us / 1e3 / ceil["read_gbps"], f"{a}_rel_err": err}
         if any(k.endswith("_us") for k in row):  # (a sweep's launch that did not fit leaves no row)
             rows.append(row)
@@ -99,6 +121,8 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
 
 
 def sweep_configs(arm: str):
+    if arm == "q8_pdl":
+        return [q8_gemv.Launch(bn, bk, w) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
     if arm.startswith("mma"):
         return [mma.Launch(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
                 for st in (2, 4)] + [mma.Launch(bn, bk, 4, 3, sp) for bn in (16, 32, 64) for bk in (128, 256)
@@ -108,18 +132,21 @@ def sweep_configs(arm: str):
 
 def chain(model: str, n: int, gen) -> list[dict]:
     layers, hidden, mats = MODELS[model]
+    mats = {m: s for m, s in mats.items() if m != "lm_head"}
     W = [{m: _weights(N, K, gen, 1)[0] for m, (N, K) in mats.items()} | dict(
         bqkv=torch.randn(mats["qkv"][0], device=DEV, generator=gen).to(torch.bfloat16),
         n1=1 + 0.1 * torch.randn(hidden, device=DEV, generator=gen).to(torch.bfloat16),
         n2=1 + 0.1 * torch.randn(hidden, device=DEV, generator=gen).to(torch.bfloat16)) for _ in range(layers)]
     x0 = torch.randn(n, hidden, device=DEV, generator=gen).to(torch.bfloat16)
-    nbytes = sum(2 * w[m].numel() for w in W for m in mats)
+    arms = arms_for(ARMS, n)
+    Wq = [L | {m: weights.Q8.of(L[m]) for m in mats} for L in W] if any(map(q8, arms)) else None
+    nbytes = {fmt: sum(L[m].nbytes for L in ws for m in mats) for fmt, ws in ((False, W), (True, Wq)) if ws}
     out = {}
 
     def run(arm):
         mm, pdl, glu = matmul(arm.removesuffix("_glu")), "pdl" in arm, arm.endswith(("_glu", "_model"))
         x, delta = x0, None
-        for L in W:
+        for L in Wq if q8(arm) else W:
             x, h = add_rms_norm(x, L["n1"], EPS, delta, pdl=pdl) if delta is not None else add_rms_norm(x, L["n1"], EPS)
             qkv = mm(h, L["qkv"], L["bqkv"])
             x, h = add_rms_norm(x, L["n2"], EPS, mm(qkv[:, :hidden], L["wo"]), pdl=pdl)
@@ -128,11 +155,10 @@ def chain(model: str, n: int, gen) -> list[dict]:
         out[arm] = x + delta
         return out[arm]
 
-    arms = arms_for(ARMS, n)
     rows = []
     for arm in arms:
         us = time_graph([lambda arm=arm: run(arm)])
-        rows.append(dict(model=model, n=n, arm=arm, layers=layers, chain_us=us, weight_bytes=nbytes))
+        rows.append(dict(model=model, n=n, arm=arm, layers=layers, chain_us=us, weight_bytes=nbytes[q8(arm)]))
     # the arms that must equal gemv's bytes (PDL, the SwiGLU fold); the others compare with nothing (None)
     same = {a: torch.equal(out["gemv"], out[a]) for a in ("gemv_pdl", "gemv_pdl_glu") if a in out}
     ref = out["cublas"].float()
@@ -149,7 +175,7 @@ def tables(df: pd.DataFrame, chains: pd.DataFrame, sweep: pd.DataFrame | None) -
     """The per-matrix table, the chains against cuBLAS and the bytes' floor, the sweep's fastest."""
     arms = [a for a in MATRIX_ARMS if f"{a}_us" in df]  # (a run before the tensor-core kernel has no mma arm)
     launch = ["launch"] if "launch" in df else ["block_n", "block_k", "num_warps"]
-    launch += ["mma_launch"] if "mma_launch" in df else []
+    launch += [c for c in ("mma_launch", "q8_launch") if c in df]
     # (rel_err: the largest error over the largest output, against fp64: one bf16 rounding for every arm)
     cols = ["model", "matrix", "n"] + launch + [f"{a}_us" for a in arms] + [f"{a}_frac_read" for a in arms] + [
         f"{a}_rel_err" for a in arms if a != "cublas"]
@@ -204,10 +230,14 @@ def main(argv=None) -> None:
             chains += chain(model, n, gen)
             print(pd.DataFrame(chains[-len(arms_for(ARMS, n)):]).round(3).to_string(index=False), flush=True)
         for name, (N, K) in MODELS[model][2].items():
-            for n in args.rows:
-                rows += [dict(model=model, matrix=name, **r) for r in bench_matrix(N, K, n, gen, ceil, name == "qkv")]
+            head = name == "lm_head"  # a single row of logits, by cuBLAS, gemv and the q8_0 kernels
+            arms = ("cublas", "gemv_pdl", "q8_linear", "q8_pdl") if head else MATRIX_ARMS
+            for n in [1] if head else args.rows:
+                rows += [dict(model=model, matrix=name, **r) for r in bench_matrix(N, K, n, gen, ceil, name == "qkv",
+                                                                                    arms=arms)]
                 print(rows[-1], flush=True)
-            for arm, n in [(a, n) for a, n in SWEEPS if args.sweep is not None and (not args.sweep or a in args.sweep)]:
+            for arm, n in [(a, n) for a, n in SWEEPS if args.sweep is not None and (not args.sweep or a in args.sweep)
+                           and (a == "q8_pdl" or not head)]:
                 swept += [dict(model=model, matrix=name, arm=arm, **r) for r in bench_matrix(
                     N, K, n, gen, ceil, name == "qkv", sweep_configs(arm), arm)]
     chains = pd.DataFrame(chains).assign(**meta)

@@ -56,17 +56,16 @@ class ModelSource:
     #                                     the context its rope was trained for, on purpose (results/long_context)
     weights: str = "dense"              # dense (hardware.dtype) | q8_0: matrices in q8_0 blocks, quantized from
     #                                     the file's values at load (kernels/q8_linear.py reads them on CUDA)
-    gemv: bool = False                  # CUDA, dense weights: the layers' single-row decode matmuls by kernels/gemv.py,
-    #                                     verify batches' by kernels/gemv_mma.py, the step's Triton kernels launched as
-    #                                     programmatic dependents (PDL), in the target, a draft model and an
-    #                                     MTP head (results/step/gemv: 1.5B step 1.78 -> 1.33 ms at 4K)
+    gemv: bool = False                  # CUDA: the layers' single-row decode matmuls by kernels/gemv.py (dense) or
+    #                                     kernels/q8_gemv.py (q8_0, the LM head's too), dense verify batches' by
+    #                                     kernels/gemv_mma.py, the step's Triton kernels launched as programmatic
+    #                                     dependents (PDL), in the target, a draft model and an MTP head
+    #                                     (results/step/gemv: 1.5B step 1.78 -> 1.33 ms at 4K, dense)
 
     def __post_init__(self):
         if self.rope_scaling is not None:
             _choose("model.rope_scaling", self.rope_scaling, ("none", "yarn"))
         _choose("model.weights", self.weights, WEIGHT_FORMATS)
-        if self.gemv and self.weights != "dense":
-            raise ValueError(f"model.gemv=true reads dense weights: not with model.weights={self.weights}")
         if self.rope_factor is not None and not self.rope_factor >= 1:
             raise ValueError(f"model.rope_factor={self.rope_factor}: give a factor >= 1")
         if self.yarn_orig_ctx is not None and self.yarn_orig_ctx < 1:

@@ -60,7 +60,6 @@ GENERATE = [  # (overrides, what the line says); {tiny} / {corrupt}: the module'
     (["max_new_tokens=[1"], "max_new_tokens=[1: no viable alternative"),
     (["cache=stream", "arena.mib=64", "model.max_context=4000000000", "max_new_tokens=3000000000"],
      "the host store needs 1190186 MiB (2 layers x 11718751 pages x 52 KiB of K+V) but the host has"),
-    (["model.gemv=true", "model.weights=q8_0"], "model.gemv=true reads dense weights: not with model.weights=q8_0"),
     (["spec=mtp"], "spec.mtp.source is not set"),
     (["spec=mtp", "spec.mtp.source=/nowhere/h.gguf"], "spec.mtp.source=/nowhere/h.gguf: no such file"),
     (["spec=mtp", "spec.mtp.source={tiny}"], "not an MTP head"),

@@ -833,10 +833,12 @@ def test_q8_weights_on_cuda_match_the_cpu_reference_and_graph_bit_for_bit(tmp_pa
     assert torch.equal(t.run(GraphedModel(gpu), t.paged(gpu, "resident"), toks), eager)
 
 
+@pytest.mark.parametrize("weights", ["dense", "q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_decode_matches_cublas_and_graphs_bit_for_bit(tmp_path, dtype):
-    """model.gemv: single decode rows through kernels/gemv.py, the step's layer and attention kernels
-    launched as programmatic dependents. Against cuBLAS: fp32 sums in another order (fp32: the 1e-4
+def test_gemv_decode_matches_cublas_and_graphs_bit_for_bit(tmp_path, dtype, weights):
+    """model.gemv: single decode rows through kernels/gemv.py (q8_0: kernels/q8_gemv.py, the LM head's
+    too), the step's layer and attention kernels launched as programmatic dependents. Against cuBLAS
+    (q8_0: kernels/q8_linear.py on the same blocks): fp32 sums in another order (fp32: the 1e-4
     of test_cuda_logits_match_cpu; bf16: one activation's rounding may flip, 2^-8 relative, over the
     tiny model's 2 layers a few % of |logit|; greedy tokens asked equal in fp32). Captured steps (PDL
     edges in the graph) and streamed rounds equal the eager resident decode bit for bit. (A race
@@ -845,7 +847,8 @@ def test_gemv_decode_matches_cublas_and_graphs_bit_for_bit(tmp_path, dtype):
     from kvstream.engine.graphs import GraphedModel
 
     path = write_tiny_model(tmp_path / "m.gguf", t.SPEC)
-    plain, fast = load_model(path, dtype, "cuda"), load_model(path, dtype, "cuda", gemv=True)
+    plain = load_model(path, dtype, "cuda", weights=weights)
+    fast = load_model(path, dtype, "cuda", weights=weights, gemv=True)
     toks = torch.randint(0, 357, (t.PROMPT + t.DECODE,), generator=torch.Generator().manual_seed(1)).tolist()
     eager = t.run(fast, t.paged(fast, "resident"), toks)  # the prefill by cuBLAS, every decode step by gemv
     ref = t.run(plain, t.paged(plain, "resident"), toks)

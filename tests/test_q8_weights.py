@@ -116,11 +116,11 @@ def test_training_a_head_refuses_a_q8_target():
 
 def test_decode_matmul_routes_few_rows_on_cuda_only():
     """``model.gemv``'s routing (``weights.decode_matmul``): 1 row -> kernels/gemv.py, 2-16 rows with K
-    below MMA_MAX_K -> kernels/gemv_mma.py; cuBLAS (None) for more rows, a long K at 2+ rows, q8_0, gemv
-    off, and every CPU tensor."""
+    below MMA_MAX_K -> kernels/gemv_mma.py, a q8_0 weight's 1 row -> kernels/q8_gemv.py; cuBLAS (None)
+    for more rows, a long K at 2+ rows, gemv off, and every CPU tensor; q8_linear (None) for 2+ q8_0 rows."""
     from kernels.gemv import gemv
     from kernels.gemv_mma import gemv_mma
-    from kvstream.model.weights import MMA_MAX_K, Q8, decode_matmul
+    from kvstream.model.weights import MMA_MAX_K, Q8, _q8_gemv, decode_matmul
 
     w = torch.zeros(64, 64)
     assert decode_matmul(torch.zeros(1, 64), w, True) is None  # CPU: the reference path
@@ -134,4 +134,5 @@ def test_decode_matmul_routes_few_rows_on_cuda_only():
     wide = torch.zeros(8, MMA_MAX_K, device="cuda")
     assert decode_matmul(x(1, MMA_MAX_K), wide, True) is gemv and decode_matmul(x(5, MMA_MAX_K), wide, True) is None
     assert decode_matmul(x(5, MMA_MAX_K - 32), wide[:, 32:], True) is gemv_mma
-    assert decode_matmul(x(1), Q8.of(wc), True) is None
+    assert decode_matmul(x(1), Q8.of(wc), True) is _q8_gemv and decode_matmul(x(1), Q8.of(wc), False) is None
+    assert decode_matmul(x(2), Q8.of(wc), True) is None

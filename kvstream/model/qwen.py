@@ -79,15 +79,14 @@ class Qwen:
     matrices (``weights.MATRICES``) in q8_0 blocks, quantized from ``weights``' values, and the
     rest in ``dtype`` (default: the weights' dtype), which is also the activations' dtype.
     ``gemv``: on CUDA the layers' dense matrices take passes of 1-16 rows through ``kernels/gemv.py``
-    and ``gemv_mma.py`` (``weights.decode_matmul``; gate/up with SwiGLU in the epilogue) and the pass's
-    Triton kernels launch as programmatic dependents (``model.gemv``)."""
+    and ``gemv_mma.py``, q8_0 matrices (the LM head too) single rows through ``kernels/q8_gemv.py``
+    (``weights.decode_matmul``; gate/up with SwiGLU in the epilogue), and the pass's Triton kernels
+    launch as programmatic dependents (``model.gemv``)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str = "dense",
                  dtype: torch.dtype | None = None, gemv: bool = False):
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight format {weight_format!r}: one of {', '.join(WEIGHT_FORMATS)}")
-        if gemv and weight_format != "dense":
-            raise ValueError(f"gemv reads dense weights, not {weight_format}")
         self.gemv = gemv
         self.cfg = cfg
         w = dict(weights)  # fusing pops the parts from this copy; the caller's dict keeps them until we return
@@ -179,7 +178,8 @@ class Qwen:
             x, delta = x[-1:], delta[-1:]
         x, h = ops.add_rms_norm(x, self.out_norm, eps, delta)
         tapped[cfg.n_layers] = x
-        logits = linear(h if all_logits else h[-1:], self.lm_head).float()
+        # a dense head stays with cuBLAS (at the read ceiling: kernels/NOTES.md); a q8_0 one's row takes q8_gemv
+        logits = linear(h if all_logits else h[-1:], self.lm_head, None, self.gemv and isinstance(self.lm_head, Q8)).float()
         cache.end_step()
         if not taps:
             return logits

@@ -61,18 +61,27 @@ class Q8:
 MMA_MAX_K = 4096
 
 
+def _q8_gemv(x: torch.Tensor, w: Q8, bias: torch.Tensor | None = None, **kw) -> torch.Tensor:
+    from kernels.q8_gemv import q8_gemv
+
+    return q8_gemv(x, w.q, w.d, bias, **kw)
+
+
 def decode_matmul(x: torch.Tensor, w, gemv: bool):
-    """With ``gemv``, the Triton matmul a dense weight's pass of few rows takes on CUDA, launched as a
-    programmatic dependent of the kernel before (its weight read while that kernel ends): one row on
+    """With ``gemv``, the Triton matmul a pass of few rows takes on CUDA, launched as a programmatic
+    dependent of the kernel before (its weight read while that kernel ends). A dense weight: one row on
     the CUDA cores (``kernels/gemv.py``), 2-16 rows (a verify batch, a short prefill chunk) on the
     tensor cores (``kernels/gemv_mma.py``) where K < ``MMA_MAX_K`` (the 1.5B's Q/K/V, output, gate/up at
-    five rows: 4.7 / 4.4 / 16.9 against cuBLAS's 5.6 / 6.1 / 18.0 us, results/kernels/gemv_mma). None
-    otherwise: cuBLAS (more rows, down's verify rows) or q8_0's kernel, the reference on the CPU."""
-    if not gemv or not x.is_cuda or isinstance(w, Q8):  # (before the import: every eager and CPU matmul asks)
+    five rows: 4.7 / 4.4 / 16.9 against cuBLAS's 5.6 / 6.1 / 18.0 us, results/kernels/gemv_mma). A q8_0
+    weight: one row by ``kernels/q8_gemv.py``. None otherwise: cuBLAS (more rows, down's verify rows) or
+    q8_0's ``kernels/q8_linear.py`` (2+ rows), the reference on the CPU."""
+    if not gemv or not x.is_cuda:  # (before the import: every eager and CPU matmul asks)
         return None
+    n = x.shape[0]
+    if isinstance(w, Q8):
+        return _q8_gemv if n == 1 else None
     from kernels import gemv_mma
 
-    n = x.shape[0]
     if not 1 <= n <= gemv_mma.MAX_ROWS or (n > 1 and x.shape[1] >= MMA_MAX_K):
         return None
     if n == 1:

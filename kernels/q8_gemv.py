@@ -1,0 +1,160 @@
+"""Decode matmuls with q8_0 weights on the CUDA cores: y = x @ W^T (+ bias) for a few rows x [n <= 8, K]
+and W in GGML q8_0 blocks (``kernels/q8_linear.py``'s block-major layout), the weight's first tile
+read before the previous kernel ends.
+
+A decode step at batch 1 is a pass over its weights: q8_0 holds them in 1.06 bytes a value against
+bf16's 2. ``kernels/q8_linear.py`` multiplies on the tensor cores in 16-row tiles with K split over
+programs and a second kernel to add the partials; at one row it ran at 0.98x bf16 cuBLAS for a 1.5B
+step's matmuls (kernels/NOTES.md). This kernel is ``kernels/gemv.py``'s structure for q8_0 blocks:
+one program per ``block_n`` rows of W streams them in tiles of ``block_k / 32`` blocks (the next tile
+in flight while one is used), no shared memory, one launch, and launched as a programmatic dependent
+(``pdl=True``, ``kernels/pdl.py``) it loads its first tile before it waits for the kernel before.
+
+Per block: the 32 products of the quants (exact in fp32) and x, summed in fp32, times the block's fp16
+scale, added in fp32; plus the bias in fp32, rounded once to x's dtype. The reference
+(``kernels.reference.q8_linear``) dequantizes W to fp32 first: only the fp32 sum order differs
+(tests/kernels/test_q8_gemv.py). ``glu=True``: W = [W_gate; W_up] [2F, K], SwiGLU in the epilogue
+as ``kernels/gemv.py`` applies it.
+
+The quants become fp32 without a conversion instruction: the byte u = q + 128 set into the low bits
+of 2^23's fp32 pattern is 2^23 + u exactly, and one subtraction gives q (``I2F`` issues at a quarter
+of the FMA rate, which a pass at the memory's rate of one byte a value cannot afford).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gather import use_asm
+from kernels.gemv import DTYPES, MAX_ROWS, weight_rows
+from kernels.pdl import kwargs as pdl_kwargs
+from kernels.q8_linear import QK, check_weight
+from kernels.swiglu import silu_times
+
+
+class Launch(NamedTuple):
+    block_n: int  # rows of W per program (with glu, pairs of gate and up rows)
+    block_k: int  # K per tile (a multiple of 32: block_k / 32 q8_0 blocks)
+    num_warps: int
+
+
+# a register of four quants -> their four fp32 values: u = q + 128 (one xor for four), each u set by a
+# PRMT into the low byte of 0x4B000000 (the fp32 2^23 + u exactly), then 2^23 + 128 (0f4B000080) subtracted
+_ASM_QUANTS = tl.constexpr("""{ .reg .b32 t, m;
+xor.b32 t, $4, 0x80808080; mov.b32 m, 0x4B000000;
+prmt.b32 $0, t, m, 0x7540; prmt.b32 $1, t, m, 0x7541; prmt.b32 $2, t, m, 0x7542; prmt.b32 $3, t, m, 0x7543;
+sub.rn.f32 $0, $0, 0f4B000080; sub.rn.f32 $1, $1, 0f4B000080; sub.rn.f32 $2, $2, 0f4B000080;
+sub.rn.f32 $3, $3, 0f4B000080; }""")
+
+
+@triton.jit
+def _quants(b_q, ASM: tl.constexpr):
+    """int32 words of four quants (little-endian) -> the quants' exact fp32 values, four tensors of the
+    words' shape: quant i of each word in the i-th (PTX on CUDA, the same arithmetic in Triton for the
+    interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_ASM_QUANTS, "=r,=r,=r,=r,r", [b_q], is_pure=True, pack=1,
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32))
+    u = b_q.to(tl.uint32, bitcast=True) ^ 0x80808080
+    return (((u & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0,
+            (((u >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0,
+            (((u >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0,
+            ((u >> 24) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
+
+
+@triton.jit
+def _q8_gemv_kernel(x, q, d, bias, out, N, n_w, n_blocks, stride_x, stride_o,
+                    ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    BB: tl.constexpr = BLOCK_K // 32  # q8_0 blocks per tile
+    o_n, o_w = weight_rows(N, BLOCK_N, GLU)
+    m_n = o_n < N
+    o_b, o_8 = tl.arange(0, BB), tl.arange(0, 8)
+    # tile [BLOCK_N, BB, 8] of int32 words: block b of each of the program's rows is 8 words (32 quants);
+    # rows outermost, so a thread holds the same blocks of several rows and reuses its values of x
+    p_q = q + (o_b[None, :, None] * n_w + o_w[:, None, None]) * 8 + o_8[None, None, :]
+    p_d = d + o_b[None, :] * n_w + o_w[:, None]
+    m_q = m_n[:, None] & (o_b < n_blocks)[None, :]
+    # the first tile before the wait: W is never written by the kernel this one may overlap
+    b_q = tl.load(p_q, mask=m_q[:, :, None], other=0)
+    b_d = tl.load(p_d, mask=m_q, other=0.0)
+    if PDL:  # launched as a programmatic dependent: now wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights
+    o_r = tl.arange(0, ROWS_P)
+    acc = tl.zeros([ROWS_P, BLOCK_N, BB], tl.float32)  # per block of the tile: summed over blocks at the end
+    # x's values as the words hold the quants: [BB, 8, 4] -> value 4j + i of each block in the i-th
+    p_x = x + (o_b[:, None, None] * 32 + o_8[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+    for b0 in range(0, n_blocks, BB):
+        # the next tile in flight while this one is used (masked off past K)
+        p_q += BB * n_w * 8
+        p_d += BB * n_w
+        m_next = m_n[:, None] & ((b0 + BB + o_b) < n_blocks)[None, :]
+        b_q_next = tl.load(p_q, mask=m_next[:, :, None], other=0)
+        b_d_next = tl.load(p_d, mask=m_next, other=0.0)
+        f0, f1, f2, f3 = _quants(b_q, ASM)
+        f_d = b_d.to(tl.float32)
+        m_x = ((b0 + o_b) < n_blocks)[:, None, None]
+        for r in tl.static_range(ROWS):
+            b_x = tl.load(p_x + r * stride_x + b0 * 32, mask=m_x, other=0.0).to(tl.float32)
+            x02, x13 = tl.split(tl.reshape(b_x, (BB, 8, 2, 2)))  # (values 4j + {0, 2}, 4j + {1, 3})
+            x0, x2 = tl.split(x02)
+            x1, x3 = tl.split(x13)
+            dot = f0 * x0[None, :, :] + f1 * x1[None, :, :] + f2 * x2[None, :, :] + f3 * x3[None, :, :]
+            part = tl.sum(dot, 2) * f_d
+            acc = tl.where(o_r[:, None, None] == r, acc + part[None, :, :], acc)
+        b_q, b_d = b_q_next, b_d_next
+    acc = tl.sum(acc, 2)
+    if HAS_BIAS:
+        acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    if GLU:  # [rows, (column, gate | up)] -> silu(gate) * up, rounded as the unfused kernels round
+        g, u = tl.split(tl.reshape(acc.to(out.dtype.element_ty), (ROWS_P, BLOCK_N // 2, 2)))
+        o_c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out + o_r[:, None] * stride_o + o_c[None, :], silu_times(g, u),
+                 mask=(o_r[:, None] < ROWS) & (o_c < N)[None, :])
+    else:
+        tl.store(out + o_r[:, None] * stride_o + o_n[None, :], acc.to(out.dtype.element_ty),
+                 mask=(o_r[:, None] < ROWS) & m_n[None, :])
+
+
+def launch_for(n: int, k: int) -> Launch:
+    """W [n, k]'s launch: 1024-wide K tiles (32 blocks) on 4 warps, 8 rows a program for a matrix of many
+    rows, else 4 (more programs in flight for the small ones). The fewest instructions per value in
+    the compiled loop (``experiments/kernel_sass.py --q8-gemv``) come with 8-16 rows a program,
+    where each thread reuses its values of x for two or more rows."""
+    return Launch(8 if n >= 8192 else 4, min(max(triton.next_power_of_2(k), QK), 1024), 4)
+
+
+def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None, *,
+            glu: bool = False, pdl: bool = False, launch: Launch | None = None) -> torch.Tensor:
+    """x [n <= 8, K] @ W^T (+ bias [N]) -> [n, N] in x's dtype, W [N, K] as q8_0 blocks ``q`` int8
+    [K/32, N, 32] and ``d`` fp16 [K/32, N]; ``glu``: W is [W_gate; W_up] [2F, K] (no bias) ->
+    silu(x W_gate^T) * (x W_up^T) [n, F]. ``pdl``: launch as a programmatic dependent of the kernel
+    before it (CUDA sm_90+, else an ordinary launch). ``launch``: override ``launch_for`` (sweeps)."""
+    check_weight(q, d)
+    n_blocks, n_w, _ = q.shape
+    k = n_blocks * QK
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in DTYPES or x.device != q.device:
+        raise ValueError(f"x must be [n, K] in {DTYPES} with contiguous rows on {q.device}, got {x.dtype} "
+                         f"{tuple(x.shape)} stride {x.stride()} on {x.device}")
+    if x.shape[1] != k or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [1..{MAX_ROWS}, {k}] for this weight, got {tuple(x.shape)}")
+    if glu and (bias is not None or n_w % 2):
+        raise ValueError(f"glu takes an even number of weight rows [W_gate; W_up] and no bias, got {n_w} rows, "
+                         f"bias {bias is not None}")
+    if bias is not None and (bias.shape != (n_w,) or not bias.is_contiguous() or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be contiguous [{n_w}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    cfg = launch or launch_for(n_w, k)
+    if cfg.block_k % QK or (glu and cfg.block_n % 2):
+        raise ValueError(f"block_k must be a multiple of {QK} and, with glu, block_n even: got {cfg}")
+    n = x.shape[0]
+    n_cols = n_w // 2 if glu else n_w
+    out = torch.empty((n, n_cols), dtype=x.dtype, device=x.device)
+    _q8_gemv_kernel[(triton.cdiv(n_w, cfg.block_n),)](
+        x, q.view(torch.int32), d, bias if bias is not None else d, out, n_cols, n_w, n_blocks, x.stride(0), out.stride(0),
+        ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, GLU=glu, ASM=use_asm(x.device), num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
+    return out
