@@ -8,9 +8,11 @@ launched as a programmatic dependent (``gemv_pdl``: its first weight tile read w
 before it ends) and the tensor-core kernel so launched (``mma_pdl``, up to 16 rows: a verify
 batch), and for the same values in q8_0 blocks ``kernels/q8_linear.py`` (``q8_linear``, tensor cores,
 as ``model.weights=q8_0`` runs without ``model.gemv``) and ``kernels/q8_gemv.py`` launched as a dependent
-(``q8_pdl``, up to 8 rows); each a CUDA graph of calls over weight sets that rotate past the L2
+(``q8_pdl``, up to 8 rows), and it with x quantized to q8_0 blocks and an int8 dot (``q8i_pdl``,
+``model.weights=q8_0_int8``); each a CUDA graph of calls over weight sets that rotate past the L2
 (``common.time_graph``); bytes (each arm's own), the fraction of the 1 GiB read ceiling measured in the
-same run, the largest error against the fp64 product (of the dequantized weight for the q8_0 arms). The
+same run, the largest error against the fp64 product (of the dequantized weight for the q8_0 arms, and
+of x's q8_0 round trip for ``q8i``). The
 LM head is timed alone, not in the chain. ``--sweep``: the kernels' launch grids with PDL, the CUDA-core
 ones at one row, the tensor-core one at five (the data behind each ``launch_for``).
 
@@ -21,7 +23,8 @@ graph: a decode step's matmuls and the kernels between them, in the arms ``cubla
 (SwiGLU in gate/up's epilogue, as ``model.gemv`` runs one row), ``mma_pdl_glu`` (the same with
 the tensor-core kernel for every matrix) and ``gemv_pdl_model`` (each matmul as ``model.gemv`` routes
 it: ``weights.decode_matmul``, cuBLAS where it gives none); with the weights in q8_0, ``q8_linear_model``
-(``model.weights=q8_0``) and ``q8_pdl_model`` (with ``model.gemv``). Neither PDL nor the fold changes the
+(``model.weights=q8_0``), ``q8_pdl_model`` (with ``model.gemv``) and ``q8i_pdl_model`` (``q8_0_int8``: x in q8_0
+blocks too, an int8 dot). Neither PDL nor the fold changes the
 arithmetic: ``gemv_pdl`` and ``gemv_pdl_glu`` must equal ``gemv`` bit for bit (checked). Writes
 ``gemv.csv``, ``chain.csv`` (and ``sweep.csv``) with the GPU, commit and command; prints the tables.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -42,29 +46,35 @@ import triton
 from experiments.bench_q8_linear import MODELS as Q8_MODELS
 from experiments.common import CUDA, DEV, ceilings, git_state, n_sets, time_graph
 from kernels import gemv as cuda_core, gemv_mma as mma, q8_gemv
-from kernels.reference import q8_dense
+from kernels.reference import q8_dense, q8_round
 from kvstream.model import weights
 from kernels.rms_norm import add_rms_norm
 from kernels.swiglu import silu_mul
 
 # name -> (layers, hidden, {matrix: (N, K)}): bench_q8_linear's shapes; the layer's matrices make the chain
 MODELS = {name: (layers, mats["wo"][1], mats) for name, (layers, mats) in Q8_MODELS.items()}
-MATRIX_ARMS = ("cublas", "gemv", "gemv_pdl", "mma_pdl", "q8_linear", "q8_pdl")
+MATRIX_ARMS = ("cublas", "gemv", "gemv_pdl", "mma_pdl", "q8_linear", "q8_pdl", "q8i_pdl")
 ARMS = ("cublas", "gemv", "gemv_pdl", "gemv_pdl_glu", "mma_pdl_glu", "gemv_pdl_model", "q8_linear_model",
-        "q8_pdl_model")
+        "q8_pdl_model", "q8i_pdl_model")
 EPS = 1e-6
-SWEEPS = (("gemv_pdl", 1), ("mma_pdl", 5), ("q8_pdl", 1))  # --sweep: each kernel's launch grid at this many rows
+SWEEPS = (("gemv_pdl", 1), ("mma_pdl", 5), ("q8_pdl", 1), ("q8i_pdl", 1))  # --sweep: each kernel's launch grid at this many rows
 
 
 def arms_for(arms, n: int) -> list[str]:
     """The arms that take n rows: the CUDA-core kernels up to 8, the tensor-core one up to 16."""
-    return [a for a in arms if not (a in ("gemv", "gemv_pdl", "gemv_pdl_glu", "q8_pdl") and n > cuda_core.MAX_ROWS)
+    return [a for a in arms if not (a in ("gemv", "gemv_pdl", "gemv_pdl_glu", "q8_pdl", "q8i_pdl")
+                                    and n > cuda_core.MAX_ROWS)
             and not ((a.startswith("mma") or a == "gemv_pdl_model") and n > mma.MAX_ROWS)]
 
 
 def q8(arm: str) -> bool:
     """Whether the arm reads the weights in q8_0 blocks."""
     return arm.startswith("q8")
+
+
+def int8(arm: str) -> bool:
+    """Whether the arm multiplies x in q8_0 blocks too (``q8i``: ``model.weights=q8_0_int8``)."""
+    return arm.startswith("q8i")
 
 
 def matmul(arm: str, launch=None):
@@ -77,8 +87,9 @@ def matmul(arm: str, launch=None):
         return lambda x, w, b=None: F.linear(x, w, b)
     if arm == "q8_linear":
         return lambda x, w, b=None: weights.linear(x, w, b)
-    if arm == "q8_pdl":
-        return lambda x, w, b=None, glu=False: q8_gemv.q8_gemv(x, w.q, w.d, b, glu=glu, pdl=True, launch=launch)
+    if arm in ("q8_pdl", "q8i_pdl"):
+        return lambda x, w, b=None, glu=False: q8_gemv.q8_gemv(x, w.q, w.d, b, glu=glu, int8=int8(arm), pdl=True,
+                                                               launch=launch)
     kernel = mma.gemv_mma if arm.startswith("mma") else cuda_core.gemv
     return lambda x, w, b=None, glu=False: kernel(x, w, b, glu=glu, pdl="pdl" in arm, launch=launch)
 
@@ -91,13 +102,14 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
     """Each of ``arms`` at the default launch; with ``configs``, ``arm`` at each launch of the grid."""
     ws = _weights(N, K, gen, n_sets(2 * N * K))
     run = arms_for(arms, n) if configs == (None,) else [arm]
-    qs = [weights.Q8.of(w) for w in ws] if any(map(q8, run)) else None
+    qs = [weights.Q8.of(w, True) for w in ws] if any(map(q8, run)) else None  # (int8 read only by decode_matmul)
     b = torch.randn(N, device=DEV, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(n, K, device=DEV, generator=gen).to(torch.bfloat16)
     io = 2 * n * (K + N)
     refs = {False: x.double() @ ws[0].double().T + (b.double() if bias else 0)}
-    if qs:
+    if qs:  # (the int8 arms: x through q8_0 too)
         refs[True] = x.double() @ q8_dense(qs[0].q, qs[0].d).double().T + (b.double() if bias else 0)
+        refs["int8"] = q8_round(x).double() @ q8_dense(qs[0].q, qs[0].d).double().T + (b.double() if bias else 0)
     rows = []
     for c in configs:
         # the launches: a sweep's config, or each kernel's rule (launch: the CUDA-core one's, mma_launch, q8_launch)
@@ -111,7 +123,7 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
             except triton.runtime.errors.OutOfResources as e:  # a sweep's launch past the SM's shared memory
                 print(f"{N}x{K} n={n} {a} {c}: {e}", flush=True)
                 continue
-            ref = refs[q8(a)]
+            ref = refs["int8" if int8(a) else q8(a)]
             err = ((fn(x, wset[0], b).double() - ref).abs().max() / ref.abs().max()).item()
             nbytes = wset[0].nbytes + io
             row |= {f"{a}_us": us, f"{a}_frac_read": nbytes / us / 1e3 / ceil["read_gbps"], f"{a}_rel_err": err}
@@ -123,6 +135,8 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
 def sweep_configs(arm: str):
     if arm == "q8_pdl":
         return [q8_gemv.Launch(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
+    if arm == "q8i_pdl":  # more rows a program: each quantizes x's K itself
+        return [q8_gemv.Launch(bn, bk, w) for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)]
     if arm.startswith("mma"):
         return [mma.Launch(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
                 for st in (2, 4)] + [mma.Launch(bn, bk, 4, 3, sp) for bn in (16, 32, 64) for bk in (128, 256)
@@ -140,13 +154,14 @@ def chain(model: str, n: int, gen) -> list[dict]:
     x0 = torch.randn(n, hidden, device=DEV, generator=gen).to(torch.bfloat16)
     arms = arms_for(ARMS, n)
     Wq = [L | {m: weights.Q8.of(L[m]) for m in mats} for L in W] if any(map(q8, arms)) else None
+    Wi = [L | {m: replace(L[m], int8=True) for m in mats} for L in Wq] if any(map(int8, arms)) else None
     nbytes = {fmt: sum(L[m].nbytes for L in ws for m in mats) for fmt, ws in ((False, W), (True, Wq)) if ws}
     out = {}
 
     def run(arm):
         mm, pdl, glu = matmul(arm.removesuffix("_glu")), "pdl" in arm, arm.endswith(("_glu", "_model"))
         x, delta = x0, None
-        for L in Wq if q8(arm) else W:
+        for L in Wi if int8(arm) else Wq if q8(arm) else W:
             x, h = add_rms_norm(x, L["n1"], EPS, delta, pdl=pdl) if delta is not None else add_rms_norm(x, L["n1"], EPS)
             qkv = mm(h, L["qkv"], L["bqkv"])
             x, h = add_rms_norm(x, L["n2"], EPS, mm(qkv[:, :hidden], L["wo"]), pdl=pdl)
@@ -231,13 +246,13 @@ def main(argv=None) -> None:
             print(pd.DataFrame(chains[-len(arms_for(ARMS, n)):]).round(3).to_string(index=False), flush=True)
         for name, (N, K) in MODELS[model][2].items():
             head = name == "lm_head"  # a single row of logits, by cuBLAS, gemv and the q8_0 kernels
-            arms = ("cublas", "gemv_pdl", "q8_linear", "q8_pdl") if head else MATRIX_ARMS
+            arms = ("cublas", "gemv_pdl", "q8_linear", "q8_pdl", "q8i_pdl") if head else MATRIX_ARMS
             for n in [1] if head else args.rows:
                 rows += [dict(model=model, matrix=name, **r) for r in bench_matrix(N, K, n, gen, ceil, name == "qkv",
                                                                                     arms=arms)]
                 print(rows[-1], flush=True)
             for arm, n in [(a, n) for a, n in SWEEPS if args.sweep is not None and (not args.sweep or a in args.sweep)
-                           and (a == "q8_pdl" or not head)]:
+                           and (a in ("q8_pdl", "q8i_pdl") or not head)]:
                 swept += [dict(model=model, matrix=name, arm=arm, **r) for r in bench_matrix(
                     N, K, n, gen, ceil, name == "qkv", sweep_configs(arm), arm)]
     chains = pd.DataFrame(chains).assign(**meta)

@@ -150,7 +150,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default="results/step")
     ap.add_argument("--profile", action="store_true", help="also the captured step's GPU time by kernel (CUDA)")
-    ap.add_argument("--weights", default="dense", choices=["dense", "q8_0"], help="model.weights: the matrices' format")
+    ap.add_argument("--weights", default="dense", choices=["dense", "q8_0", "q8_0_int8"], help="model.weights: the matrices' format")
     ap.add_argument("--gemv", action="store_true", help="model.gemv: decode matmuls by kernels/gemv.py with PDL")
     args = ap.parse_args(argv)
     if args.report:

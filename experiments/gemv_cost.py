@@ -4,7 +4,10 @@ same tokens, and greedy output against HF transformers.
 
 Perplexity runs (``kvstream-ppl``) prefill many rows per pass, which never take the single-row
 path, so this measures decode passes. Two models load from one GGUF, gemv off and on, in the same
-dtype with the same cache (``--cache``, default paged ``resident`` with q8_0 K / q4_0 V pages):
+dtype with the same cache (``--cache``, default paged ``resident`` with q8_0 K / q4_0 V pages), the
+matrices in ``--weights`` (the on arm) and ``--base-weights`` (the off arm; default the same blocks
+multiplied exactly: ``q8_0`` for ``q8_0_int8``, whose decode rows on the CPU run the int8 kernel's
+arithmetic, ``kvstream/model/weights.py``):
 
 1. teacher forcing: a prompt of P = ``--prompt-tokens`` tokens of the built-in text (the
    standard-library sources ``kvstream-ppl`` reads), then its next T = ``--tokens`` tokens fed one
@@ -22,7 +25,7 @@ dtype with the same cache (``--cache``, default paged ``resident`` with q8_0 K /
     python -m experiments.gemv_cost --model <tiny gguf> --prompt-tokens 64 --tokens 8 --new-tokens 8 \\
         --cache contiguous --transformers --out /tmp/gemv_cost          # CPU, fp32: tests/test_gemv_cost.py
 
-On CPU ``model.gemv`` changes nothing, so both arms run the same code: the check there is the
+On CPU ``model.gemv`` changes nothing for dense or q8_0 weights, so both arms run the same code: the check there is the
 plumbing (KLD exactly 0, every logit identical, equal greedy tokens) and the tokens against
 transformers. Writes ``<out>/quality.csv`` (one row) and prints it.
 """
@@ -51,6 +54,7 @@ from kvstream.model.loader import is_skeleton, open_gguf, read_config
 from kvstream.model.qwen import load_model
 from kvstream.model.registry import MODELS, resolve_model, sha256_file
 from kvstream.model.tokenizer import Tokenizer
+from kvstream.model.weights import WEIGHT_FORMATS
 
 PROG = "gemv_cost"
 
@@ -128,10 +132,13 @@ def run(args) -> dict:
         ids[0] = tok.bos_id  # as kvstream-ppl's chunks
 
     logits, tokens = {}, {}
+    formats = {False: args.base_weights or ("q8_0" if args.weights == "q8_0_int8" else args.weights),
+               True: args.weights}
     for gemv in (False, True):
-        cfg = GenerateConfig(model=ModelSource(str(path), gemv=gemv), hardware=hw, cache=cache,
-                             arena=ArenaConfig("auto"), max_new_tokens=N, ignore_eos=True)
-        model = load_model(reader, hw.torch_dtype, hw.device, gemv=gemv)
+        src = ModelSource(str(path), weights=formats[gemv], gemv=gemv)
+        cfg = GenerateConfig(model=src, hardware=hw, cache=cache, arena=ArenaConfig("auto"), max_new_tokens=N,
+                             ignore_eos=True)
+        model = load_model(reader, hw.torch_dtype, hw.device, weights=formats[gemv], gemv=gemv)
         logits[gemv] = teacher_forced(model, cfg, ids, P, args.width)
         tokens[gemv] = greedy(model, cfg, tok, ids[:P])
         del model
@@ -146,7 +153,7 @@ def run(args) -> dict:
                random_weights=is_skeleton(reader), device=args.device,
                device_name=torch.cuda.get_device_name(hw.device) if hw.device.startswith("cuda")
                else platform.processor() or platform.machine(),
-               dtype=hw.dtype, cache=cache.mode, type_k=cache.type_k if paged else None,
+               dtype=hw.dtype, weights_off=formats[False], weights_on=formats[True], cache=cache.mode, type_k=cache.type_k if paged else None,
                type_v=cache.type_v if paged else None, prompt_tokens=P, tokens=T, width=args.width, new_tokens=N,
                **compare(logits[False], logits[True], torch.tensor(ids[P + 1:])),
                first_diff_on_off=first_diff(tokens[True], tokens[False]),
@@ -175,6 +182,9 @@ def main(argv=None) -> None:
                     help="tokens a teacher-forced pass (1: decode steps, kernels/gemv.py; 2-16: verify batches, gemv_mma.py)")
     ap.add_argument("--new-tokens", type=int, default=256, help="greedy tokens")
     ap.add_argument("--transformers", action="store_true", help="greedy tokens of transformers too")
+    ap.add_argument("--weights", default="dense", choices=WEIGHT_FORMATS, help="model.weights of the gemv arm")
+    ap.add_argument("--base-weights", choices=WEIGHT_FORMATS,
+                    help="model.weights of the arm without gemv (default: --weights, q8_0 for q8_0_int8)")
     ap.add_argument("--out", default="results/kernels/gemv/quality")
     args = ap.parse_args(argv)
     try:

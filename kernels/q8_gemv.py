@@ -65,10 +65,43 @@ def _quants(b_q, ASM: tl.constexpr):
             ((u >> 24) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0)
 
 
+_ASM_DP4A = tl.constexpr("dp4a.s32.s32 $0, $1, $2, $3;")
+
+
+@triton.jit
+def _dot4(a, b, ASM: tl.constexpr):
+    """Elementwise dot products of the four signed bytes of int32 words a and b, exact in int32."""
+    if ASM:
+        return tl.inline_asm_elementwise(_ASM_DP4A, "=r,r,r,r", [a, b, tl.zeros_like(a)], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    return (((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+            + ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24))
+
+
+@triton.jit
+def _quantize_x(b_x, BB: tl.constexpr):
+    """x [BB, 8, 4] (fp32, block b's value 4j + i at [b, j, i]) -> its q8_0 blocks as gguf quantizes them:
+    d = amax / 127 (fp32, rounded to fp16 when stored), quants round(x / d) half away from zero; as int32
+    words [BB, 8] of four quants and the fp16-rounded scales [BB] in fp32."""
+    amax = tl.max(tl.max(tl.abs(b_x), 2), 1)
+    dd = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    inv = tl.where(dd == 0, 0.0, tl.math.div_rn(tl.full(dd.shape, 1.0, tl.float32), dd))
+    v = b_x * inv[:, None, None]
+    a = tl.abs(v)
+    fl = tl.floor(a)
+    r = fl + tl.floor(2.0 * (a - fl))
+    b_q = tl.where(v < 0, -r, r).to(tl.int32) & 0xFF
+    q02, q13 = tl.split(tl.reshape(b_q, (BB, 8, 2, 2)))
+    q0, q2 = tl.split(q02)
+    q1, q3 = tl.split(q13)
+    return q0 | (q1 << 8) | (q2 << 16) | (q3 << 24), dd.to(tl.float16).to(tl.float32)
+
+
 @triton.jit
 def _q8_gemv_kernel(x, q, d, bias, out, N, n_w, n_blocks, stride_x, stride_o,
                     ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr,
+                    PDL: tl.constexpr):
     BB: tl.constexpr = BLOCK_K // 32  # q8_0 blocks per tile
     o_n, o_w = weight_rows(N, BLOCK_N, GLU)
     m_n = o_n < N
@@ -95,16 +128,22 @@ def _q8_gemv_kernel(x, q, d, bias, out, N, n_w, n_blocks, stride_x, stride_o,
         m_next = m_n[:, None] & ((b0 + BB + o_b) < n_blocks)[None, :]
         b_q_next = tl.load(p_q, mask=m_next[:, :, None], other=0)
         b_d_next = tl.load(p_d, mask=m_next, other=0.0)
-        f0, f1, f2, f3 = _quants(b_q, ASM)
         f_d = b_d.to(tl.float32)
         m_x = ((b0 + o_b) < n_blocks)[:, None, None]
+        if not INT8:
+            f0, f1, f2, f3 = _quants(b_q, ASM)
         for r in tl.static_range(ROWS):
             b_x = tl.load(p_x + r * stride_x + b0 * 32, mask=m_x, other=0.0).to(tl.float32)
-            x02, x13 = tl.split(tl.reshape(b_x, (BB, 8, 2, 2)))  # (values 4j + {0, 2}, 4j + {1, 3})
-            x0, x2 = tl.split(x02)
-            x1, x3 = tl.split(x13)
-            dot = f0 * x0[None, :, :] + f1 * x1[None, :, :] + f2 * x2[None, :, :] + f3 * x3[None, :, :]
-            part = tl.sum(dot, 2) * f_d
+            if INT8:  # x's blocks in q8_0 too: the block's dot product exact in int32, times both scales
+                w_x, d_x = _quantize_x(b_x, BB)
+                dot = _dot4(b_q, tl.broadcast_to(w_x[None, :, :], b_q.shape), ASM)
+                part = tl.sum(dot, 2).to(tl.float32) * (f_d * d_x[None, :])
+            else:
+                x02, x13 = tl.split(tl.reshape(b_x, (BB, 8, 2, 2)))  # (values 4j + {0, 2}, 4j + {1, 3})
+                x0, x2 = tl.split(x02)
+                x1, x3 = tl.split(x13)
+                dot = f0 * x0[None, :, :] + f1 * x1[None, :, :] + f2 * x2[None, :, :] + f3 * x3[None, :, :]
+                part = tl.sum(dot, 2) * f_d
             acc = tl.where(o_r[:, None, None] == r, acc + part[None, :, :], acc)
         b_q, b_d = b_q_next, b_d_next
     acc = tl.sum(acc, 2)
@@ -120,20 +159,32 @@ def _q8_gemv_kernel(x, q, d, bias, out, N, n_w, n_blocks, stride_x, stride_o,
                  mask=(o_r[:, None] < ROWS) & m_n[None, :])
 
 
-def launch_for(n: int, k: int) -> Launch:
-    """W [n, k]'s launch: 1024-wide K tiles (32 blocks) on 4 warps, 8 rows a program for a matrix of many
-    rows, else 4 (more programs in flight for the small ones). The fewest instructions per value in
-    the compiled loop (``experiments/kernel_sass.py --q8-gemv``) come with 8-16 rows a program,
-    where each thread reuses its values of x for two or more rows."""
-    return Launch(8 if n >= 8192 else 4, min(max(triton.next_power_of_2(k), QK), 1024), 4)
+def launch_for(n: int, k: int, int8: bool = False) -> Launch:
+    """W [n, k]'s launch, the fastest of a sweep on the H200 at one row with PDL for the 1.5B's matrices
+    (results/kernels/q8_gemv): a long K (down's 8960) 4 rows a program, 2048-wide tiles on 8 warps (10.2
+    against 12.3 us for 1024 on 4); many rows (gate/up, the LM head) 16 rows a program, 512-wide tiles on
+    4 warps (11.4 / 79.4 against 18.0 / 127.9 us for 8 rows, 1024-wide tiles); the others (Q/K/V, output)
+    8 rows, 2048-wide tiles, 4 warps. Each thread then reuses its values of x for several rows.
+    ``int8``: 16 rows a program, 512-wide tiles on 4 warps (each program quantizes all of x's K itself,
+    so more rows a program share that work; 2.5-3.4 compiled instructions a weight byte against 5-8 for
+    4-8 rows: ``experiments/kernel_sass.py``), until a sweep says otherwise."""
+    tile = lambda w: min(max(triton.next_power_of_2(k), QK), w)
+    if int8:
+        return Launch(16, tile(512), 4)
+    if k >= 4096:
+        return Launch(4, tile(2048), 8)
+    if n >= 8192:
+        return Launch(16, tile(512), 4)
+    return Launch(8, tile(2048), 4)
 
 
 def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None, *,
-            glu: bool = False, pdl: bool = False, launch: Launch | None = None) -> torch.Tensor:
+            glu: bool = False, int8: bool = False, pdl: bool = False, launch: Launch | None = None) -> torch.Tensor:
     """x [n <= 8, K] @ W^T (+ bias [N]) -> [n, N] in x's dtype, W [N, K] as q8_0 blocks ``q`` int8
     [K/32, N, 32] and ``d`` fp16 [K/32, N]; ``glu``: W is [W_gate; W_up] [2F, K] (no bias) ->
-    silu(x W_gate^T) * (x W_up^T) [n, F]. ``pdl``: launch as a programmatic dependent of the kernel
-    before it (CUDA sm_90+, else an ordinary launch). ``launch``: override ``launch_for`` (sweeps)."""
+    silu(x W_gate^T) * (x W_up^T) [n, F]. ``int8``: x quantized to q8_0 blocks and multiplied in int8
+    (module docstring). ``pdl``: launch as a programmatic dependent of the kernel before it (CUDA sm_90+,
+    else an ordinary launch). ``launch``: override ``launch_for`` (sweeps)."""
     check_weight(q, d)
     n_blocks, n_w, _ = q.shape
     k = n_blocks * QK
@@ -147,7 +198,7 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
                          f"bias {bias is not None}")
     if bias is not None and (bias.shape != (n_w,) or not bias.is_contiguous() or bias.dtype != x.dtype):
         raise ValueError(f"bias must be contiguous [{n_w}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
-    cfg = launch or launch_for(n_w, k)
+    cfg = launch or launch_for(n_w, k, int8)
     if cfg.block_k % QK or (glu and cfg.block_n % 2):
         raise ValueError(f"block_k must be a multiple of {QK} and, with glu, block_n even: got {cfg}")
     n = x.shape[0]
@@ -156,5 +207,5 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
     _q8_gemv_kernel[(triton.cdiv(n_w, cfg.block_n),)](
         x, q.view(torch.int32), d, bias if bias is not None else d, out, n_cols, n_w, n_blocks, x.stride(0), out.stride(0),
         ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, GLU=glu, ASM=use_asm(x.device), num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
+        HAS_BIAS=bias is not None, GLU=glu, INT8=int8, ASM=use_asm(x.device), num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
     return out

@@ -295,6 +295,12 @@ def q8_dense(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (q.float() * d.float()[..., None]).transpose(0, 1).reshape(q.shape[1], -1)
 
 
+def q8_round(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 32k] in fp32 after a round trip through q8_0 blocks (gguf's codec): the values an int8
+    dot product multiplies (``kernels/q8_gemv.py`` with ``int8``)."""
+    return dequantize(quantize(x.float(), "q8_0"), "q8_0").reshape(x.shape)
+
+
 def q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None,
               rows_per_pass: int = 16384) -> torch.Tensor:
     """x [n, K] @ W^T (+ bias) in float32, rounded once to x's dtype; W dequantized

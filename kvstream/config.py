@@ -55,7 +55,9 @@ class ModelSource:
     max_context: int | None = None      # tokens a run may hold; null: the model's limit. Above it: a run past
     #                                     the context its rope was trained for, on purpose (results/long_context)
     weights: str = "dense"              # dense (hardware.dtype) | q8_0: matrices in q8_0 blocks, quantized from
-    #                                     the file's values at load (kernels/q8_linear.py reads them on CUDA)
+    #                                     the file's values at load (kernels/q8_linear.py reads them on CUDA) |
+    #                                     q8_0_int8: the same, and with model.gemv a decode row's activations in q8_0
+    #                                     blocks too, multiplied in int8 as llama.cpp does (kernels/q8_gemv.py)
     gemv: bool = False                  # CUDA: the layers' single-row decode matmuls by kernels/gemv.py (dense) or
     #                                     kernels/q8_gemv.py (q8_0, the LM head's too), dense verify batches' by
     #                                     kernels/gemv_mma.py, the step's Triton kernels launched as programmatic
@@ -66,6 +68,9 @@ class ModelSource:
         if self.rope_scaling is not None:
             _choose("model.rope_scaling", self.rope_scaling, ("none", "yarn"))
         _choose("model.weights", self.weights, WEIGHT_FORMATS)
+        if self.weights == "q8_0_int8" and not self.gemv:
+            raise ValueError("model.weights=q8_0_int8 multiplies decode rows in int8 in model.gemv's kernel: "
+                             "set model.gemv=true (or model.weights=q8_0)")
         if self.rope_factor is not None and not self.rope_factor >= 1:
             raise ValueError(f"model.rope_factor={self.rope_factor}: give a factor >= 1")
         if self.yarn_orig_ctx is not None and self.yarn_orig_ctx < 1:

@@ -54,6 +54,7 @@ GENERATE = [  # (overrides, what the line says); {tiny} / {corrupt}: the module'
     (["cache=resident", "arena.mib=-5"], "arena.mib=-5: give a positive size in MiB, or auto"),
     (["max_new_tokens=-1"], "max_new_tokens=-1: give a number of tokens >= 1"),
     (["prompt="], "prompt='': give a prompt"),
+    (["model.weights=q8_0_int8"], "model.weights=q8_0_int8 multiplies decode rows in int8 in model.gemv's kernel"),
     (["spec.type=ngram-simple", "spec.n_max=100"], "spec.n_max=100"),
     (["+foo=1"], "unknown key 'foo'"),
     (["cache=nope"], "Could not find 'cache/nope'; Available options in 'cache': contiguous, resident, stream"),

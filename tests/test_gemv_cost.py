@@ -51,6 +51,18 @@ def test_verify_batch_passes(tiny, tmp_path):
     assert row.width == 3 and row.kld_max == 0 and row.identical_logits == 1.0 and 1 < row.ppl_off < float("inf")
 
 
+def test_int8_decode_rows_against_the_same_blocks_multiplied_exactly(tiny, tmp_path):
+    """``--weights q8_0_int8``: on the CPU the gemv arm's decode rows run the int8 kernel's arithmetic
+    (x rounded through q8_0 blocks), the other arm multiplies the same blocks exactly: the logits differ,
+    a little (x's rounding is ~1/254 of its blocks' largest value). Verify-width passes (3 rows) never take
+    the int8 path: exact there."""
+    row = quality(tiny, tmp_path, "--weights", "q8_0_int8")
+    assert (row.weights_off, row.weights_on) == ("q8_0", "q8_0_int8")
+    assert 0 < row.kld_mean < 0.01 and row.identical_logits == 0.0 and 1 < row.ppl_on < float("inf")
+    wide = quality(tiny, tmp_path, "--weights", "q8_0_int8", "--width", "3")
+    assert wide.kld_max == 0 and wide.identical_logits == 1.0
+
+
 def test_greedy_matches_transformers(tiny, tmp_path):
     pytest.importorskip("transformers")
     # dense fp32 KV (a quantized cache differs from transformers' by itself); same dequantized fp32

@@ -75,8 +75,8 @@ class Layer:
 
 
 class Qwen:
-    """Weights of a Qwen2/Qwen3 model and its forward pass. ``weight_format`` q8_0 holds the
-    matrices (``weights.MATRICES``) in q8_0 blocks, quantized from ``weights``' values, and the
+    """Weights of a Qwen2/Qwen3 model and its forward pass. ``weight_format`` q8_0 (or q8_0_int8:
+    ``kvstream/model/weights.py``) holds the matrices (``weights.MATRICES``) in q8_0 blocks, quantized from ``weights``' values, and the
     rest in ``dtype`` (default: the weights' dtype), which is also the activations' dtype.
     ``gemv``: on CUDA the layers' dense matrices take passes of 1-16 rows through ``kernels/gemv.py``
     and ``gemv_mma.py``, q8_0 matrices (the LM head too) single rows through ``kernels/q8_gemv.py``
@@ -95,14 +95,14 @@ class Qwen:
         self.out_norm = w["output_norm.weight"]
         self.lm_head = self.embed if cfg.tied_output else w["output.weight"]
         self.layers = [Layer.from_weights(w, i) for i in range(cfg.n_layers)]
-        if weight_format == "q8_0" or self._dtype != self.embed.dtype:
-            self._convert(weight_format == "q8_0")
+        if weight_format != "dense" or self._dtype != self.embed.dtype:
+            self._convert(weight_format)
         self.ops = LayerOps(self.embed.device, gemv)
         yarn = asdict(cfg.yarn) if cfg.yarn else {}
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_base, self.embed.device, **yarn)
 
-    def _convert(self, q8: bool) -> None:
-        """Every weight to the compute dtype, the matrices to q8_0 blocks when ``q8`` (the source
+    def _convert(self, weight_format: str) -> None:
+        """Every weight to the compute dtype, the matrices to q8_0 blocks unless the format is dense (the source
         tensors stay alive until the constructor returns: ``load_model`` converts on the host)."""
         done = {}  # a tied LM head is converted once, with the embedding
 
@@ -110,7 +110,8 @@ class Qwen:
             if t is None:
                 return None
             if id(t) not in done:
-                done[id(t)] = Q8.of(t) if q8 and name in MATRICES else t.to(self._dtype)
+                done[id(t)] = (Q8.of(t, weight_format == "q8_0_int8") if weight_format != "dense" and name in MATRICES
+                               else t.to(self._dtype))
             return done[id(t)]
 
         self.embed, self.lm_head = conv("embed", self.embed), conv("lm_head", self.lm_head)
@@ -227,7 +228,7 @@ class Qwen:
 def load_model(gguf, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                weights: str = "dense", gemv: bool = False, **rope) -> Qwen:
     """Load a GGUF (a path, or an open ``GGUFReader``) into a :class:`Qwen` on ``device`` in ``dtype``,
-    its matrices in q8_0 blocks with ``weights="q8_0"`` (quantized from the file's values in fp32);
+    its matrices in q8_0 blocks with ``weights="q8_0"`` or ``"q8_0_int8"`` (quantized from the file's values in fp32);
     ``rope`` (rope_scaling, rope_factor, yarn_orig_ctx, max_context) overrides the file's rope
     scaling (``read_config``); ``gemv``: see :class:`Qwen`."""
     reader = gguf if isinstance(gguf, GGUFReader) else open_gguf(gguf)

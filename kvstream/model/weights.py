@@ -1,6 +1,9 @@
 """Weight matrices as the forward pass reads them: a dense tensor in the compute dtype, or q8_0
-blocks (``model.weights=q8_0``) read by ``kernels/q8_linear.py`` at 1.06 bytes a value against
-bf16's 2. A decode step at batch 1 is one pass over its weights, so their bytes are its floor."""
+blocks (``model.weights=q8_0``) read by ``kernels/q8_linear.py`` (and with ``model.gemv`` a decode row
+by ``kernels/q8_gemv.py``) at 1.06 bytes a value against bf16's 2. A decode step at batch 1 is one pass
+over its weights, so their bytes are its floor. ``q8_0_int8``: the same blocks, and a decode row's
+activations quantized to q8_0 too and multiplied in int8 (``q8_gemv(int8=True)``; on the CPU its
+reference), as llama.cpp multiplies q8_0 weights: fewer instructions per weight byte, a second rounding."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch.nn.functional as F
 
 from kernels import reference
 
-WEIGHT_FORMATS = ("dense", "q8_0")
+WEIGHT_FORMATS = ("dense", "q8_0", "q8_0_int8")
 MATRICES = ("embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down")  # what q8_0 quantizes; norms and biases stay dense
 
 
@@ -23,11 +26,12 @@ class Q8:
 
     q: torch.Tensor
     d: torch.Tensor
+    int8: bool = False  # a decode row's activations through q8_0 blocks and an int8 dot (``q8_0_int8``)
 
     @classmethod
-    def of(cls, w: torch.Tensor) -> "Q8":
+    def of(cls, w: torch.Tensor, int8: bool = False) -> "Q8":
         """W's q8_0 blocks, as gguf quantizes them from W's values in fp32."""
-        return cls(*reference.q8_weight(w.float()))
+        return cls(*reference.q8_weight(w.float()), int8)
 
     @property
     def shape(self) -> torch.Size:
@@ -48,7 +52,7 @@ class Q8:
         """The rows ``rows`` of W (dim 0), gathered (a copy, as ``Tensor.index_select``)."""
         if dim != 0:
             raise ValueError("a q8_0 weight selects rows (dim 0) only")
-        return Q8(self.q.index_select(1, rows), self.d.index_select(1, rows))
+        return Q8(self.q.index_select(1, rows), self.d.index_select(1, rows), self.int8)
 
     def embedding(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``tokens`` of W dequantized to ``dtype`` (exact in fp32, then one rounding)."""
@@ -64,7 +68,7 @@ MMA_MAX_K = 4096
 def _q8_gemv(x: torch.Tensor, w: Q8, bias: torch.Tensor | None = None, **kw) -> torch.Tensor:
     from kernels.q8_gemv import q8_gemv
 
-    return q8_gemv(x, w.q, w.d, bias, **kw)
+    return q8_gemv(x, w.q, w.d, bias, int8=w.int8, **kw)
 
 
 def decode_matmul(x: torch.Tensor, w, gemv: bool):
@@ -93,7 +97,8 @@ def decode_matmul(x: torch.Tensor, w, gemv: bool):
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
     """x @ w^T (+ bias) for a dense or q8_0 weight: the Triton kernel on CUDA, its reference elsewhere;
-    with ``gemv`` a decode pass's rows through ``decode_matmul``'s kernel."""
+    with ``gemv`` a decode pass's rows through ``decode_matmul``'s kernel (on the CPU, a ``q8_0_int8``
+    weight's decode row through the int8 kernel's arithmetic: x rounded through q8_0 blocks first)."""
     kernel = decode_matmul(x, w, gemv)
     if kernel is not None:
         return kernel(x, w, bias, pdl=True)
@@ -103,6 +108,8 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemv: bool = Fa
         from kernels.q8_linear import q8_linear
 
         return q8_linear(x, w.q, w.d, bias)
+    if gemv and w.int8 and x.shape[0] == 1:
+        return reference.q8_linear(reference.q8_round(x), w.q, w.d, bias).to(x.dtype)
     return reference.q8_linear(x, w.q, w.d, bias)
 
 
@@ -127,4 +134,4 @@ def flat(name: str, w) -> dict[str, torch.Tensor]:
 
 def unflat(name: str, like, tensors: dict[str, torch.Tensor]):
     """The weight ``flat(name, like)`` gave, rebuilt from (new) ``tensors``."""
-    return Q8(tensors[f"{name}.q"], tensors[f"{name}.d"]) if isinstance(like, Q8) else tensors[name]
+    return Q8(tensors[f"{name}.q"], tensors[f"{name}.d"], like.int8) if isinstance(like, Q8) else tensors[name]
