@@ -165,12 +165,15 @@ def launch_for(n: int, k: int, int8: bool = False) -> Launch:
     against 12.3 us for 1024 on 4); many rows (gate/up, the LM head) 16 rows a program, 512-wide tiles on
     4 warps (11.4 / 79.4 against 18.0 / 127.9 us for 8 rows, 1024-wide tiles); the others (Q/K/V, output)
     8 rows, 2048-wide tiles, 4 warps. Each thread then reuses its values of x for several rows.
-    ``int8``: 16 rows a program, 512-wide tiles on 4 warps (each program quantizes all of x's K itself,
-    so more rows a program share that work; 2.5-3.4 compiled instructions a weight byte against 5-8 for
-    4-8 rows: ``experiments/kernel_sass.py``), until a sweep says otherwise."""
+    ``int8`` (each program quantizes all of x's K itself: more rows a program share that work): down 8
+    rows, 2048-wide tiles, 8 warps (9.6 against 19.3 us for 16 rows, 512-wide, 4 warps); the LM head 32
+    rows, 512-wide, 4 warps (63.3); gate/up 16 rows, 512-wide (10.9); Q/K/V and output 16 rows,
+    2048-wide, 4 warps (2.8 / 2.6 against 4.0 / 3.6 us)."""
     tile = lambda w: min(max(triton.next_power_of_2(k), QK), w)
     if int8:
-        return Launch(16, tile(512), 4)
+        if k >= 4096:
+            return Launch(8, tile(2048), 8)
+        return Launch(32 if n >= 65536 else 16, tile(512 if n >= 8192 else 2048), 4)
     if k >= 4096:
         return Launch(4, tile(2048), 8)
     if n >= 8192:

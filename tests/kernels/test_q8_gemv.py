@@ -112,7 +112,10 @@ def test_launch_rule_gives_the_sweeps_fastest_for_the_1_5b():
     assert launch_for(151936, 1536) == Launch(16, 512, 4)  # the LM head
     assert launch_for(1536, 1536) == Launch(8, 2048, 4)  # output (Q/K/V: 3.41 against the best 3.30 us)
     assert launch_for(100, 64) == Launch(8, 64, 4)  # a K below one tile: one tile of it
-    assert launch_for(2048, 1536, int8=True) == Launch(16, 512, 4)
+    assert launch_for(1536, 8960, int8=True) == Launch(8, 2048, 8)  # int8: down
+    assert launch_for(151936, 1536, int8=True) == Launch(32, 512, 4)  # the LM head
+    assert launch_for(17920, 1536, int8=True) == Launch(16, 512, 4)  # gate/up
+    assert launch_for(2048, 1536, int8=True) == Launch(16, 2048, 4)  # Q/K/V (output the same)
 
 
 @pytest.mark.parametrize("make, match", [
