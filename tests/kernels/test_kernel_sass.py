@@ -22,3 +22,16 @@ def test_kernel_sass_reports_the_loop_of_an_sm90_build(tmp_path):
     assert "q8_0/q4_0 n_q=1" in r.stdout and "HMMA" in r.stdout and "LDS" in r.stdout, r.stdout
     sass = (tmp_path / "decode_q8_0_q4_0_nq1.sass").read_text()
     assert "HMMA" in sass and (tmp_path / "decode_q8_0_q4_0_nq1.ttgir").stat().st_size > 0
+
+
+@pytest.mark.skipif(not (BIN / "nvdisasm").exists(), reason="Triton's NVIDIA tools are not bundled here")
+def test_kernel_sass_reports_q8_gemvs_loop():
+    """``--q8-gemv``: the exact loop turns quants to fp32 by PRMT (no I2F); the int8 one takes dp4a (IDP)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "experiments.kernel_sass", "--q8-gemv", "16", "512", "4", *a],
+                                    capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    exact, int8 = run(), run("--int8")
+    assert exact.returncode == 0 and int8.returncode == 0, exact.stderr[-3000:] + int8.stderr[-3000:]
+    assert "PRMT" in exact.stdout and "I2F" not in exact.stdout and "a weight byte" in exact.stdout, exact.stdout
+    assert "IDP" in int8.stdout, int8.stdout
