@@ -39,6 +39,22 @@ POINTERS = {"q": "*fp16", "k_pool": "*u8", "v_pool": "*u8", "page_table": "*i32"
 SHARED_OPS = r"\b(LDS|STS|LDSM|STSM|BAR)\S*"
 
 
+def _compile(kern, const: dict, types, aligned, arch: int, **options):
+    """``kern`` compiled for sm_``arch`` with ``const``'s constexprs, each argument's type from ``types(name)``
+    and the 16-byte divisibility a launch specializes ``aligned(name)`` arguments on (without it the tiles
+    compile to narrow loads)."""
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(kern.params):
+        if p.is_constexpr:
+            sig[p.name], consts[(i,)] = "constexpr", const[p.name]
+            continue
+        sig[p.name] = types(p.name)
+        if aligned(p.name):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
 def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
     """The decode kernel as ``decode_attention`` launches it for these shapes (its LAUNCH row)."""
     kf, vf = PageFormat(pair[0], n_kv_heads, head_dim), PageFormat(pair[1], n_kv_heads, head_dim)
@@ -50,19 +66,10 @@ def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
                  V_PAGE_BYTES=vf.page_bytes, V_SCALE_OFF=vf.scale_offset, BLOCK_M=block_m,
                  BLOCK_N=launch.block_n, HAS_START=False, HAS_END=False, WRITE_OUT=False,
                  ROUND=False, CARRY=False, ASM=True, PDL=False)
-    kern = da._decode_attention_kernel
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(kern.params):
-        if p.is_constexpr:
-            sig[p.name], consts[(i,)] = "constexpr", const[p.name]
-            continue
-        sig[p.name] = POINTERS.get(p.name, "fp32" if p.name == "sm_scale" else "i32")
-        if (p.name in POINTERS and p.name not in da.UNALIGNED) or p.name.startswith("stride"):  # what a launch specializes on
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
-                                       maxnreg=launch.maxnreg))
+    return _compile(da._decode_attention_kernel, const,
+                    lambda name: POINTERS.get(name, "fp32" if name == "sm_scale" else "i32"),
+                    lambda name: (name in POINTERS and name not in da.UNALIGNED) or name.startswith("stride"), arch,
+                    num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.maxnreg)
 
 
 def compile_q8_gemv(block_n: int, block_k: int, num_warps: int, int8: bool, arch=90):
@@ -72,17 +79,8 @@ def compile_q8_gemv(block_n: int, block_k: int, num_warps: int, int8: bool, arch
     const = dict(ROWS=1, ROWS_P=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, GLU=False, INT8=int8,
                  ASM=True, PDL=True)
     ptr = {"x": "*bf16", "q": "*i32", "d": "*fp16", "bias": "*fp16", "out": "*bf16"}
-    kern = q8_gemv._q8_gemv_kernel
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(kern.params):
-        if p.is_constexpr:
-            sig[p.name], consts[(i,)] = "constexpr", const[p.name]
-            continue
-        sig[p.name] = ptr.get(p.name, "i32")
-        if p.name in ptr or p.name.startswith("stride") or p.name == "n_w":
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
+    return _compile(q8_gemv._q8_gemv_kernel, const, lambda name: ptr.get(name, "i32"),
+                    lambda name: name in ptr or name.startswith("stride") or name == "n_w", arch, num_warps=num_warps)
 
 
 def q8_gemv_report(block_n: int, block_k: int, num_warps: int, int8: bool) -> dict:
