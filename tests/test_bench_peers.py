@@ -104,8 +104,8 @@ def test_bench_gemv_tables_with_the_tensor_core_arms():
     assert "mma_pdl_us" in out and "fastest mma_pdl launch per matrix in the sweep (n = 5)" in out
     # (the q8_0 chains as the model routes them: q8_linear at 16 rows, with and without PDL's norms)
     assert set(chains[chains.n == 16].arm) == {"cublas", "mma_pdl_glu", "gemv_pdl_model", "q8_linear_model",
-                                              "q8_pdl_model"}
-    assert "q8_pdl" not in bench_gemv.arms_for(bench_gemv.MATRIX_ARMS, 16)
+                                              "q8_pdl_model", "q8i_pdl_model"}
+    assert not {"q8_pdl", "q8i_pdl"} & set(bench_gemv.arms_for(bench_gemv.MATRIX_ARMS, 16))
 
 
 def test_bench_stream_figure_redraws_from_its_csv(tmp_path, monkeypatch):
