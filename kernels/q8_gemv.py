@@ -7,10 +7,10 @@ bf16's 2. ``kernels/q8_linear.py`` multiplies on the tensor cores in 16-row tile
 programs and a second kernel to add the partials; at one row it ran at 0.98x bf16 cuBLAS for a 1.5B
 step's matmuls (kernels/NOTES.md). This kernel is ``kernels/gemv.py``'s structure for q8_0 blocks:
 one program per ``block_n`` rows of W streams them in tiles of ``block_k / 32`` blocks (the next tile
-in flight while one is used), no shared memory, one launch, and launched as a programmatic dependent
+in flight while one is used), no tensor-core tiles, one launch, and launched as a programmatic dependent
 (``pdl=True``, ``kernels/pdl.py``) it loads its first tile before it waits for the kernel before.
 
-Per block: the 32 products of the quants (exact in fp32) and x, summed in fp32, times the block's fp16
+Per block: the 32 products of the quants and x (exact in fp32 for 16-bit x), summed in fp32, times the block's fp16
 scale, added in fp32; plus the bias in fp32, rounded once to x's dtype. The reference
 (``kernels.reference.q8_linear``) dequantizes W to fp32 first: only the fp32 sum order differs
 (tests/kernels/test_q8_gemv.py). ``glu=True``: W = [W_gate; W_up] [2F, K], SwiGLU in the epilogue
@@ -19,6 +19,13 @@ as ``kernels/gemv.py`` applies it.
 The quants become fp32 without a conversion instruction: the byte u = q + 128 set into the low bits
 of 2^23's fp32 pattern is 2^23 + u exactly, and one subtraction gives q (``I2F`` issues at a quarter
 of the FMA rate, which a pass at the memory's rate of one byte a value cannot afford).
+
+``int8=True`` (``model.weights=q8_0_int8``): each program also quantizes its x blocks to q8_0 as gguf's
+codec does (scale amax / 127 by correctly rounded division, quants rounded half away from zero, the scale
+kept in fp16) and takes each word's dot product with ``dp4a``: a block's sum exact in int32, times both
+scales in fp32. Against the exact product of x's q8_0 round trip and W only the fp32 sum order differs;
+against exact activations it is one more rounding (~1/254 of a block's largest |x|), as llama.cpp multiplies
+q8_0 weights. Fewer instructions per weight byte (``experiments/kernel_sass.py --q8-gemv``).
 """
 from __future__ import annotations
 
