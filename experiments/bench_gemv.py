@@ -102,7 +102,7 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
     """Each of ``arms`` at the default launch; with ``configs``, ``arm`` at each launch of the grid."""
     ws = _weights(N, K, gen, n_sets(2 * N * K))
     run = arms_for(arms, n) if configs == (None,) else [arm]
-    qs = [weights.Q8.of(w, True) for w in ws] if any(map(q8, run)) else None  # (int8 read only by decode_matmul)
+    qs = [weights.Q8.of(w) for w in ws] if any(map(q8, run)) else None  # (the q8 arms pass int8 themselves)
     b = torch.randn(N, device=DEV, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(n, K, device=DEV, generator=gen).to(torch.bfloat16)
     io = 2 * n * (K + N)

@@ -206,8 +206,10 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
     if glu and (bias is not None or n_w % 2):
         raise ValueError(f"glu takes an even number of weight rows [W_gate; W_up] and no bias, got {n_w} rows, "
                          f"bias {bias is not None}")
-    if bias is not None and (bias.shape != (n_w,) or not bias.is_contiguous() or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be contiguous [{n_w}] in {x.dtype}, got {bias.dtype} {tuple(bias.shape)}")
+    if bias is not None and (bias.shape != (n_w,) or not bias.is_contiguous() or bias.dtype != x.dtype
+                             or bias.device != x.device):
+        raise ValueError(f"bias must be contiguous [{n_w}] in {x.dtype} on {x.device}, got {bias.dtype} "
+                         f"{tuple(bias.shape)} on {bias.device}")
     cfg = launch or launch_for(n_w, k, int8)
     if cfg.block_k % QK or (glu and cfg.block_n % 2):
         raise ValueError(f"block_k must be a multiple of {QK} and, with glu, block_n even: got {cfg}")
@@ -215,7 +217,8 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
     n_cols = n_w // 2 if glu else n_w
     out = torch.empty((n, n_cols), dtype=x.dtype, device=x.device)
     _q8_gemv_kernel[(triton.cdiv(n_w, cfg.block_n),)](
-        x, q.view(torch.int32), d, bias if bias is not None else d, out, n_cols, n_w, n_blocks, x.stride(0), out.stride(0),
-        ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, GLU=glu, INT8=int8, ASM=use_asm(x.device), num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
+        x, q.view(torch.int32), d, bias if bias is not None else d, out, n_cols, n_w, n_blocks, x.stride(0),
+        out.stride(0), ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, GLU=glu, INT8=int8, ASM=use_asm(x.device), num_warps=cfg.num_warps,
+        **pdl_kwargs(pdl, x.device))
     return out

@@ -75,9 +75,7 @@ def test_int8_is_the_exact_product_of_x_through_q8_0(dtype, n, N, K):
         out = q8_gemv(x, q, d, b, int8=True)
         assert out.dtype == dtype and out.shape == (n, N)
         _check(out, xr, w, b)
-    assert torch.equal(q8_gemv(x[:1], q[:, :N - N % 2], d[:, :N - N % 2], glu=True, int8=True),
-                       silu_mul(q8_gemv(x[:1], q[:, :N - N % 2].contiguous(), d[:, :N - N % 2].contiguous(),
-                                        int8=True)))
+    assert torch.equal(q8_gemv(x[:1], q, d, glu=True, int8=True), silu_mul(q8_gemv(x[:1], q, d, int8=True)))
 
 
 @pytest.mark.parametrize("block_n, block_k", [(1, 32), (4, 64), (8, 128), (16, 256)])
