@@ -9,7 +9,9 @@ before it ends) and the tensor-core kernel so launched (``mma_pdl``, up to 16 ro
 batch), and for the same values in q8_0 blocks ``kernels/q8_linear.py`` (``q8_linear``, tensor cores,
 as ``model.weights=q8_0`` runs without ``model.gemv``) and ``kernels/q8_gemv.py`` launched as a dependent
 (``q8_pdl``, up to 8 rows), and it with x quantized to q8_0 blocks and an int8 dot (``q8i_pdl``,
-``model.weights=q8_0_int8``); each a CUDA graph of calls over weight sets that rotate past the L2
+``model.weights=q8_0_int8``), and it given x's q8_0 blocks made beforehand (``q8x_pdl``: as the model's norms
+write them for the matmuls after them); on gate/up also its SwiGLU epilogue, int8 (``q8i_glu``) and given x's
+blocks and writing h's for down (``q8x_glu``: the model's gate/up); each a CUDA graph of calls over weight sets that rotate past the L2
 (``common.time_graph``); bytes (each arm's own), the fraction of the 1 GiB read ceiling measured in the
 same run, the largest error against the fp64 product (of the dequantized weight for the q8_0 arms, and
 of x's q8_0 round trip for ``q8i``). The
@@ -23,8 +25,9 @@ graph: a decode step's matmuls and the kernels between them, in the arms ``cubla
 (SwiGLU in gate/up's epilogue, as ``model.gemv`` runs one row), ``mma_pdl_glu`` (the same with
 the tensor-core kernel for every matrix) and ``gemv_pdl_model`` (each matmul as ``model.gemv`` routes
 it: ``weights.decode_matmul``, cuBLAS where it gives none); with the weights in q8_0, ``q8_linear_model``
-(``model.weights=q8_0``), ``q8_pdl_model`` (with ``model.gemv``) and ``q8i_pdl_model`` (``q8_0_int8``: x in q8_0
-blocks too, an int8 dot). Neither PDL nor the fold changes the
+(``model.weights=q8_0``), ``q8_pdl_model`` (with ``model.gemv``), ``q8i_pdl_glu`` (x in q8_0 blocks made by
+each matmul's programs, an int8 dot) and ``q8i_pdl_model`` (``q8_0_int8`` as the model runs it: the norms and
+gate/up's epilogue write the blocks once). Neither PDL nor the fold changes the
 arithmetic: ``gemv_pdl`` and ``gemv_pdl_glu`` must equal ``gemv`` bit for bit (checked). Writes
 ``gemv.csv``, ``chain.csv`` (and ``sweep.csv``) with the GPU, commit and command; prints the tables.
 
@@ -34,6 +37,7 @@ arithmetic: ``gemv_pdl`` and ``gemv_pdl_glu`` must equal ``gemv`` bit for bit (c
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -46,24 +50,26 @@ import triton
 from experiments.bench_q8_linear import MODELS as Q8_MODELS
 from experiments.common import CUDA, DEV, ceilings, git_state, n_sets, time_graph
 from kernels import gemv as cuda_core, gemv_mma as mma, q8_gemv
-from kernels.reference import q8_dense, q8_round
+from kernels.reference import q8_dense, q8_round, q8_rows
 from kvstream.model import weights
 from kernels.rms_norm import add_rms_norm
 from kernels.swiglu import silu_mul
 
 # name -> (layers, hidden, {matrix: (N, K)}): bench_q8_linear's shapes; the layer's matrices make the chain
 MODELS = {name: (layers, mats["wo"][1], mats) for name, (layers, mats) in Q8_MODELS.items()}
-MATRIX_ARMS = ("cublas", "gemv", "gemv_pdl", "mma_pdl", "q8_linear", "q8_pdl", "q8i_pdl")
+MATRIX_ARMS = ("cublas", "gemv", "gemv_pdl", "mma_pdl", "q8_linear", "q8_pdl", "q8i_pdl", "q8x_pdl")
+GLU_ARMS = ("q8i_glu", "q8x_glu")  # gate/up only: [W_gate; W_up] with SwiGLU in the epilogue
 ARMS = ("cublas", "gemv", "gemv_pdl", "gemv_pdl_glu", "mma_pdl_glu", "gemv_pdl_model", "q8_linear_model",
-        "q8_pdl_model", "q8i_pdl_model")
+        "q8_pdl_model", "q8i_pdl_glu", "q8i_pdl_model")
+CUDA_CORE = ("gemv", "gemv_pdl", "gemv_pdl_glu", "q8_pdl", "q8i_pdl", "q8x_pdl", "q8i_pdl_glu") + GLU_ARMS
 EPS = 1e-6
-SWEEPS = (("gemv_pdl", 1), ("mma_pdl", 5), ("q8_pdl", 1), ("q8i_pdl", 1))  # --sweep: each kernel's launch grid at this many rows
+SWEEPS = (("gemv_pdl", 1), ("mma_pdl", 5), ("q8_pdl", 1), ("q8i_pdl", 1), ("q8x_pdl", 1), ("q8x_glu", 1))
+Q8_SWEEPS = ("q8_pdl", "q8i_pdl", "q8x_pdl")  # (the LM head's too)  # --sweep: each kernel's launch grid at this many rows
 
 
 def arms_for(arms, n: int) -> list[str]:
     """The arms that take n rows: the CUDA-core kernels up to 8, the tensor-core one up to 16."""
-    return [a for a in arms if not (a in ("gemv", "gemv_pdl", "gemv_pdl_glu", "q8_pdl", "q8i_pdl")
-                                    and n > cuda_core.MAX_ROWS)
+    return [a for a in arms if not (a in CUDA_CORE and n > cuda_core.MAX_ROWS)
             and not ((a.startswith("mma") or a == "gemv_pdl_model") and n > mma.MAX_ROWS)]
 
 
@@ -73,23 +79,28 @@ def q8(arm: str) -> bool:
 
 
 def int8(arm: str) -> bool:
-    """Whether the arm multiplies x in q8_0 blocks too (``q8i``: ``model.weights=q8_0_int8``)."""
-    return arm.startswith("q8i")
+    """Whether the arm multiplies x in q8_0 blocks too (``q8i``, ``q8x``: ``model.weights=q8_0_int8``)."""
+    return arm.startswith(("q8i", "q8x"))
 
 
 def matmul(arm: str, launch=None):
-    """The arm's x @ w^T (+ b); ``glu=True`` calls return SwiGLU of a gate/up product."""
+    """The arm's x @ w^T (+ b); ``glu=True`` calls return SwiGLU of a gate/up product (the model's arms:
+    with h's q8_0 blocks or None, ``weights.swiglu``); ``xq``: x's q8_0 blocks, for the arms that take them."""
     if arm.endswith("_model"):  # as the model runs its matmuls, with model.gemv (pdl) or without
         on = "pdl" in arm
-        return lambda x, w, b=None, glu=False: (weights.swiglu(x, w, silu_mul, on) if glu
-                                                else weights.linear(x, w, b, on))
+        return lambda x, w, b=None, glu=False, xq=None: (weights.swiglu(x, w, silu_mul, on, xq) if glu
+                                                         else weights.linear(x, w, b, on, xq))
     if arm == "cublas":
         return lambda x, w, b=None: F.linear(x, w, b)
     if arm == "q8_linear":
         return lambda x, w, b=None: weights.linear(x, w, b)
-    if arm in ("q8_pdl", "q8i_pdl"):
-        return lambda x, w, b=None, glu=False: q8_gemv.q8_gemv(x, w.q, w.d, b, glu=glu, int8=int8(arm), pdl=True,
-                                                               launch=launch)
+    if arm in GLU_ARMS:  # (h alone: q8x_glu's blocks of h are written, not returned)
+        return lambda x, w, b=None, xq=None: q8_gemv.q8_gemv(x, w.q, w.d, glu=True, int8=True, xq=xq, pdl=True,
+                                                             q8_out=arm == "q8x_glu", launch=launch)[0] \
+            if arm == "q8x_glu" else q8_gemv.q8_gemv(x, w.q, w.d, glu=True, int8=True, pdl=True, launch=launch)
+    if arm.startswith("q8"):  # q8_pdl, q8i_pdl, q8x_pdl
+        return lambda x, w, b=None, glu=False, xq=None: q8_gemv.q8_gemv(x, w.q, w.d, b, glu=glu, int8=int8(arm),
+                                                                        xq=xq, pdl=True, launch=launch)
     kernel = mma.gemv_mma if arm.startswith("mma") else cuda_core.gemv
     return lambda x, w, b=None, glu=False: kernel(x, w, b, glu=glu, pdl="pdl" in arm, launch=launch)
 
@@ -110,6 +121,8 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
     if qs:  # (the int8 arms: x through q8_0 too)
         refs[True] = x.double() @ q8_dense(qs[0].q, qs[0].d).double().T + (b.double() if bias else 0)
         refs["int8"] = q8_round(x).double() @ q8_dense(qs[0].q, qs[0].d).double().T + (b.double() if bias else 0)
+        refs["glu"] = F.silu(refs["int8"][:, :N // 2]) * refs["int8"][:, N // 2:]
+    xq = tuple(t.to(DEV) for t in q8_rows(x.cpu()))  # (the q8x arms: x's blocks as a norm writes them)
     rows = []
     for c in configs:
         # the launches: a sweep's config, or each kernel's rule (launch: the CUDA-core one's, mma_launch, q8_launch)
@@ -118,12 +131,14 @@ def bench_matrix(N, K, n, gen, ceil, bias: bool, configs=(None,), arm="gemv_pdl"
             q8_launch=None if c else str(tuple(q8_gemv.launch_for(N, K))))
         for a in run:
             fn, wset = matmul(a, c), qs if q8(a) else ws
+            if a.startswith("q8x"):
+                fn = functools.partial(fn, xq=xq)
             try:
                 us = time_graph([(lambda w=w: fn(x, w, b)) for w in wset])
             except triton.runtime.errors.OutOfResources as e:  # a sweep's launch past the SM's shared memory
                 print(f"{N}x{K} n={n} {a} {c}: {e}", flush=True)
                 continue
-            ref = refs["int8" if int8(a) else q8(a)]
+            ref = refs["glu" if a in GLU_ARMS else "int8" if int8(a) else q8(a)]
             err = ((fn(x, wset[0], b).double() - ref).abs().max() / ref.abs().max()).item()
             nbytes = wset[0].nbytes + io
             row |= {f"{a}_us": us, f"{a}_frac_read": nbytes / us / 1e3 / ceil["read_gbps"], f"{a}_rel_err": err}
@@ -137,6 +152,10 @@ def sweep_configs(arm: str):
         return [q8_gemv.Launch(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
     if arm == "q8i_pdl":  # more rows a program: each quantizes x's K itself
         return [q8_gemv.Launch(bn, bk, w) for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)]
+    if arm == "q8x_pdl":
+        return [q8_gemv.Launch(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)]
+    if arm == "q8x_glu":  # 64 rows a program or more: 32 whole columns of h
+        return [q8_gemv.Launch(bn, bk, w) for bn in (64, 128) for bk in (128, 256, 512, 1024) for w in (4, 8)]
     if arm.startswith("mma"):
         return [mma.Launch(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
                 for st in (2, 4)] + [mma.Launch(bn, bk, 4, 3, sp) for bn in (16, 32, 64) for bk in (128, 256)
@@ -159,14 +178,20 @@ def chain(model: str, n: int, gen) -> list[dict]:
     out = {}
 
     def run(arm):
-        mm, pdl, glu = matmul(arm.removesuffix("_glu")), "pdl" in arm, arm.endswith(("_glu", "_model"))
+        mm, pdl, glu = matmul(arm.removesuffix("_glu")), "pdl" in arm, arm.endswith("_glu")
+        model = arm.endswith("_model")
         x, delta = x0, None
         for L in Wi if int8(arm) else Wq if q8(arm) else W:
-            x, h = add_rms_norm(x, L["n1"], EPS, delta, pdl=pdl) if delta is not None else add_rms_norm(x, L["n1"], EPS)
-            qkv = mm(h, L["qkv"], L["bqkv"])
-            x, h = add_rms_norm(x, L["n2"], EPS, mm(qkv[:, :hidden], L["wo"]), pdl=pdl)
-            act = mm(h, L["gate_up"], glu=True) if glu else silu_mul(mm(h, L["gate_up"]), pdl=pdl)
-            delta = mm(act, L["down"])
+            q8x = model and weights.int8_row(x, L["qkv"], pdl)  # the norms write h's q8_0 blocks, as the model's do
+            x, h, *hq = add_rms_norm(x, L["n1"], EPS, delta, pdl=pdl and delta is not None, q8=q8x)
+            qkv = mm(h, L["qkv"], L["bqkv"], **({"xq": hq[0]} if hq else {}))
+            x, h, *hq = add_rms_norm(x, L["n2"], EPS, mm(qkv[:, :hidden], L["wo"]), pdl=pdl, q8=q8x)
+            if model:  # gate/up as weights.swiglu runs it, down given h's blocks where it wrote them
+                act, aq = mm(h, L["gate_up"], glu=True, **({"xq": hq[0]} if hq else {}))
+                delta = mm(act, L["down"], xq=aq)
+            else:
+                act = mm(h, L["gate_up"], glu=True) if glu else silu_mul(mm(h, L["gate_up"]), pdl=pdl)
+                delta = mm(act, L["down"])
         out[arm] = x + delta
         return out[arm]
 
@@ -188,7 +213,7 @@ def chain(model: str, n: int, gen) -> list[dict]:
 
 def tables(df: pd.DataFrame, chains: pd.DataFrame, sweep: pd.DataFrame | None) -> str:
     """The per-matrix table, the chains against cuBLAS and the bytes' floor, the sweep's fastest."""
-    arms = [a for a in MATRIX_ARMS if f"{a}_us" in df]  # (a run before the tensor-core kernel has no mma arm)
+    arms = [a for a in MATRIX_ARMS + GLU_ARMS if f"{a}_us" in df]  # (a run before the tensor-core kernel has no mma arm)
     launch = ["launch"] if "launch" in df else ["block_n", "block_k", "num_warps"]
     launch += [c for c in ("mma_launch", "q8_launch") if c in df]
     # (rel_err: the largest error over the largest output, against fp64: one bf16 rounding for every arm)
@@ -246,13 +271,14 @@ def main(argv=None) -> None:
             print(pd.DataFrame(chains[-len(arms_for(ARMS, n)):]).round(3).to_string(index=False), flush=True)
         for name, (N, K) in MODELS[model][2].items():
             head = name == "lm_head"  # a single row of logits, by cuBLAS, gemv and the q8_0 kernels
-            arms = ("cublas", "gemv_pdl", "q8_linear", "q8_pdl", "q8i_pdl") if head else MATRIX_ARMS
+            arms = (("cublas", "gemv_pdl", "q8_linear") + Q8_SWEEPS if head
+                    else MATRIX_ARMS + (GLU_ARMS if name == "gate_up" else ()))
             for n in [1] if head else args.rows:
                 rows += [dict(model=model, matrix=name, **r) for r in bench_matrix(N, K, n, gen, ceil, name == "qkv",
                                                                                     arms=arms)]
                 print(rows[-1], flush=True)
             for arm, n in [(a, n) for a, n in SWEEPS if args.sweep is not None and (not args.sweep or a in args.sweep)
-                           and (a in ("q8_pdl", "q8i_pdl") or not head)]:
+                           and (a in Q8_SWEEPS or not head) and (a != "q8x_glu" or name == "gate_up")]:
                 swept += [dict(model=model, matrix=name, arm=arm, **r) for r in bench_matrix(
                     N, K, n, gen, ceil, name == "qkv", sweep_configs(arm), arm)]
     chains = pd.DataFrame(chains).assign(**meta)

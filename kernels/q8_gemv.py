@@ -86,29 +86,49 @@ def _dot4(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _quantize_x(b_x, BB: tl.constexpr):
-    """x [BB, 8, 4] (fp32, block b's value 4j + i at [b, j, i]) -> its q8_0 blocks as gguf quantizes them:
-    d = amax / 127 (fp32, rounded to fp16 when stored), quants round(x / d) half away from zero; as int32
-    words [BB, 8] of four quants and the fp16-rounded scales [BB] in fp32."""
-    amax = tl.max(tl.max(tl.abs(b_x), 2), 1)
+def q8_scale(amax):
+    """A q8_0 block's scale from its largest |x| as gguf's codec computes it: (d = amax / 127 by correctly
+    rounded division, rounded to fp16 as stored, in fp32; 1 / d of the unrounded d, 0 for a zero block)."""
     dd = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
     inv = tl.where(dd == 0, 0.0, tl.math.div_rn(tl.full(dd.shape, 1.0, tl.float32), dd))
-    v = b_x * inv[:, None, None]
-    a = tl.abs(v)
-    fl = tl.floor(a)
-    r = fl + tl.floor(2.0 * (a - fl))
-    b_q = tl.where(v < 0, -r, r).to(tl.int32) & 0xFF
-    q02, q13 = tl.split(tl.reshape(b_q, (BB, 8, 2, 2)))
-    q0, q2 = tl.split(q02)
-    q1, q3 = tl.split(q13)
-    return q0 | (q1 << 8) | (q2 << 16) | (q3 << 24), dd.to(tl.float16).to(tl.float32)
+    return dd.to(tl.float16).to(tl.float32), inv
 
 
 @triton.jit
-def _q8_gemv_kernel(x, q, d, bias, out, N, n_w, n_blocks, stride_x, stride_o,
+def q8_quant(v):
+    """v = x / d rounded half away from zero (gguf's ``np_roundf``), as int32 in [-127, 127]."""
+    a = tl.abs(v)
+    fl = tl.floor(a)
+    r = fl + tl.floor(2.0 * (a - fl))
+    return tl.where(v < 0, -r, r).to(tl.int32)
+
+
+@triton.jit
+def q8_blocks(v, NB: tl.constexpr, ROWS: tl.constexpr):
+    """fp32 values [ROWS, NB * 32] in q8_0 blocks of 32 -> (quants int32 [ROWS, NB * 32], scales fp32 [ROWS, NB]):
+    what a producer kernel writes for ``q8_gemv``'s ``xq`` (``kernels/rms_norm.py``, gate/up's epilogue)."""
+    b = tl.reshape(v, (ROWS, NB, 32))
+    dd, inv = q8_scale(tl.max(tl.abs(b), 2))
+    return tl.reshape(q8_quant(b * inv[:, :, None]), (ROWS, NB * 32)), dd
+
+
+@triton.jit
+def _quantize_x(b_x, BB: tl.constexpr):
+    """x [BB, 8, 4] (fp32, block b's value 4j + i at [b, j, i]) -> its q8_0 blocks as gguf quantizes them
+    (``q8_scale``, ``q8_quant``): int32 words [BB, 8] of four quants and the fp16-rounded scales [BB] in fp32."""
+    dd, inv = q8_scale(tl.max(tl.max(tl.abs(b_x), 2), 1))
+    b_q = q8_quant(b_x * inv[:, None, None]) & 0xFF
+    q02, q13 = tl.split(tl.reshape(b_q, (BB, 8, 2, 2)))
+    q0, q2 = tl.split(q02)
+    q1, q3 = tl.split(q13)
+    return q0 | (q1 << 8) | (q2 << 16) | (q3 << 24), dd
+
+
+@triton.jit
+def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, N, n_w, n_blocks, stride_x, stride_o,
                     ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr,
-                    PDL: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, INT8: tl.constexpr, XQ: tl.constexpr,
+                    Q8_OUT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     BB: tl.constexpr = BLOCK_K // 32  # q8_0 blocks per tile
     o_n, o_w = weight_rows(N, BLOCK_N, GLU)
     m_n = o_n < N
@@ -140,9 +160,16 @@ def _q8_gemv_kernel(x, q, d, bias, out, N, n_w, n_blocks, stride_x, stride_o,
         if not INT8:
             f0, f1, f2, f3 = _quants(b_q, ASM)
         for r in tl.static_range(ROWS):
-            b_x = tl.load(p_x + r * stride_x + b0 * 32, mask=m_x, other=0.0).to(tl.float32)
+            if XQ:  # x's q8_0 blocks as a producer kernel wrote them: quants [n, K], scales [n, K / 32]
+                m_b = (b0 + o_b) < n_blocks
+                w_x = tl.load(xq + r * n_blocks * 8 + (b0 + o_b[:, None]) * 8 + o_8[None, :], mask=m_b[:, None],
+                              other=0)
+                d_x = tl.load(xd + r * n_blocks + b0 + o_b, mask=m_b, other=0.0).to(tl.float32)
+            else:
+                b_x = tl.load(p_x + r * stride_x + b0 * 32, mask=m_x, other=0.0).to(tl.float32)
             if INT8:  # x's blocks in q8_0 too: the block's dot product exact in int32, times both scales
-                w_x, d_x = _quantize_x(b_x, BB)
+                if not XQ:
+                    w_x, d_x = _quantize_x(b_x, BB)
                 dot = _dot4(b_q, tl.broadcast_to(w_x[None, :, :], b_q.shape), ASM)
                 part = tl.sum(dot, 2).to(tl.float32) * (f_d * d_x[None, :])
             else:
@@ -159,14 +186,22 @@ def _q8_gemv_kernel(x, q, d, bias, out, N, n_w, n_blocks, stride_x, stride_o,
     if GLU:  # [rows, (column, gate | up)] -> silu(gate) * up, rounded as the unfused kernels round
         g, u = tl.split(tl.reshape(acc.to(out.dtype.element_ty), (ROWS_P, BLOCK_N // 2, 2)))
         o_c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out + o_r[:, None] * stride_o + o_c[None, :], silu_times(g, u),
-                 mask=(o_r[:, None] < ROWS) & (o_c < N)[None, :])
+        h = silu_times(g, u)
+        m_o = (o_r[:, None] < ROWS) & (o_c < N)[None, :]
+        tl.store(out + o_r[:, None] * stride_o + o_c[None, :], h, mask=m_o)
+        if Q8_OUT:  # the program's columns are whole q8_0 blocks of h: down's xq (N a multiple of 32)
+            NB: tl.constexpr = BLOCK_N // 64
+            h_q, h_d = q8_blocks(h.to(tl.float32), NB, ROWS_P)
+            tl.store(oq + o_r[:, None] * N + o_c[None, :], h_q.to(tl.int8), mask=m_o)
+            o_d = tl.program_id(0) * NB + tl.arange(0, NB)
+            tl.store(od + o_r[:, None] * (N // 32) + o_d[None, :], h_d.to(tl.float16),
+                     mask=(o_r[:, None] < ROWS) & (o_d < N // 32)[None, :])
     else:
         tl.store(out + o_r[:, None] * stride_o + o_n[None, :], acc.to(out.dtype.element_ty),
                  mask=(o_r[:, None] < ROWS) & m_n[None, :])
 
 
-def launch_for(n: int, k: int, int8: bool = False) -> Launch:
+def launch_for(n: int, k: int, int8: bool = False, q8_out: bool = False) -> Launch:
     """W [n, k]'s launch, the fastest of a sweep on the H200 at one row with PDL for the 1.5B's matrices
     (results/kernels/q8_gemv): a long K (down's 8960) 4 rows a program, 2048-wide tiles on 8 warps (10.2
     against 12.3 us for 1024 on 4); many rows (gate/up, the LM head) 16 rows a program, 512-wide tiles on
@@ -177,6 +212,8 @@ def launch_for(n: int, k: int, int8: bool = False) -> Launch:
     rows, 512-wide, 4 warps (63.3); gate/up 16 rows, 512-wide (10.9); Q/K/V and output 16 rows,
     2048-wide, 4 warps (2.8 / 2.6 against 4.0 / 3.6 us)."""
     tile = lambda w: min(max(triton.next_power_of_2(k), QK), w)
+    if q8_out:  # 32 whole output columns a program (64 rows of [W_gate; W_up])
+        return Launch(64, tile(512), 8)
     if int8:
         if k >= 4096:
             return Launch(8, tile(2048), 8)
@@ -188,13 +225,27 @@ def launch_for(n: int, k: int, int8: bool = False) -> Launch:
     return Launch(8, tile(2048), 4)
 
 
+def check_rows_q8(xq, n: int, k: int, device: torch.device) -> None:
+    """A row's q8_0 blocks as ``q8_gemv`` takes them (``xq``) and producers write them: quants int8 [n, K]
+    and scales fp16 [n, K / 32], contiguous (``kernels.reference.q8_rows``'s layout)."""
+    q, d = xq
+    if (q.dtype != torch.int8 or d.dtype != torch.float16 or q.shape != (n, k) or d.shape != (n, k // QK)
+            or not (q.is_contiguous() and d.is_contiguous()) or q.device != device or d.device != device):
+        raise ValueError(f"xq must be contiguous int8 [{n}, {k}] quants and fp16 [{n}, {k // QK}] scales on "
+                         f"{device}, got {q.dtype} {tuple(q.shape)} and {d.dtype} {tuple(d.shape)} on {q.device}")
+
+
 def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None, *,
-            glu: bool = False, int8: bool = False, pdl: bool = False, launch: Launch | None = None) -> torch.Tensor:
+            glu: bool = False, int8: bool = False, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+            q8_out: bool = False, pdl: bool = False, launch: Launch | None = None):
     """x [n <= 8, K] @ W^T (+ bias [N]) -> [n, N] in x's dtype, W [N, K] as q8_0 blocks ``q`` int8
     [K/32, N, 32] and ``d`` fp16 [K/32, N]; ``glu``: W is [W_gate; W_up] [2F, K] (no bias) ->
     silu(x W_gate^T) * (x W_up^T) [n, F]. ``int8``: x quantized to q8_0 blocks and multiplied in int8
-    (module docstring). ``pdl``: launch as a programmatic dependent of the kernel before it (CUDA sm_90+,
-    else an ordinary launch). ``launch``: override ``launch_for`` (sweeps)."""
+    (module docstring); ``xq``: those blocks of x already made (``check_rows_q8``; int8 implied), x then only
+    gives the shape and dtype. ``q8_out`` (with glu): also return the output's q8_0 blocks, ``(out, (quants,
+    scales))``, for the next matmul's ``xq`` (launches of 64 weight rows a program: 32 whole columns).
+    ``pdl``: launch as a programmatic dependent of the kernel before it (CUDA sm_90+, else an ordinary
+    launch). ``launch``: override ``launch_for`` (sweeps)."""
     check_weight(q, d)
     n_blocks, n_w, _ = q.shape
     k = n_blocks * QK
@@ -210,15 +261,23 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
                              or bias.device != x.device):
         raise ValueError(f"bias must be contiguous [{n_w}] in {x.dtype} on {x.device}, got {bias.dtype} "
                          f"{tuple(bias.shape)} on {bias.device}")
-    cfg = launch or launch_for(n_w, k, int8)
-    if cfg.block_k % QK or (glu and cfg.block_n % 2):
-        raise ValueError(f"block_k must be a multiple of {QK} and, with glu, block_n even: got {cfg}")
+    if xq is not None:
+        check_rows_q8(xq, x.shape[0], k, x.device)
+    if q8_out and (not glu or (n_w // 2) % QK):
+        raise ValueError(f"q8_out needs glu and a multiple of {QK} output columns, got glu={glu}, {n_w // 2} columns")
+    cfg = launch or launch_for(n_w, k, int8 or xq is not None, q8_out)
+    if cfg.block_k % QK or (glu and cfg.block_n % 2) or (q8_out and cfg.block_n % (2 * QK)):
+        raise ValueError(f"block_k must be a multiple of {QK}, with glu block_n even, with q8_out a multiple of "
+                         f"{2 * QK}: got {cfg}")
     n = x.shape[0]
     n_cols = n_w // 2 if glu else n_w
     out = torch.empty((n, n_cols), dtype=x.dtype, device=x.device)
+    oq, od = ((torch.empty((n, n_cols), dtype=torch.int8, device=x.device),
+               torch.empty((n, n_cols // QK), dtype=torch.float16, device=x.device)) if q8_out else (out, out))
+    xq_q, xq_d = (xq[0].view(torch.int32), xq[1]) if xq is not None else (q, d)
     _q8_gemv_kernel[(triton.cdiv(n_w, cfg.block_n),)](
-        x, q.view(torch.int32), d, bias if bias is not None else d, out, n_cols, n_w, n_blocks, x.stride(0),
-        out.stride(0), ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_BIAS=bias is not None, GLU=glu, INT8=int8, ASM=use_asm(x.device), num_warps=cfg.num_warps,
-        **pdl_kwargs(pdl, x.device))
-    return out
+        x, q.view(torch.int32), d, bias if bias is not None else d, out, xq_q, xq_d, oq, od, n_cols, n_w, n_blocks,
+        x.stride(0), out.stride(0), ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, GLU=glu, INT8=int8 or xq is not None, XQ=xq is not None,
+        Q8_OUT=q8_out, ASM=use_asm(x.device), num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
+    return (out, (oq, od)) if q8_out else out

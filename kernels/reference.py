@@ -309,3 +309,16 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Ten
     y = torch.cat([xf @ q8_dense(q[:, lo:lo + rows_per_pass], d[:, lo:lo + rows_per_pass]).T
                    for lo in range(0, q.shape[1], rows_per_pass)], dim=1)
     return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def q8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, K] -> its rows' q8_0 blocks as gguf quantizes them, in row order: (quants int8 [n, K], scales
+    fp16 [n, K/32]) (what ``kernels/q8_gemv.py`` takes as ``xq`` and producer kernels write)."""
+    q, d = q8_weight(x.float())
+    return q.transpose(0, 1).reshape(x.shape).contiguous(), d.T.contiguous()
+
+
+def q8_rows_dense(xq: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``q8_rows``' blocks -> their fp32 values [n, K] (``q8_round`` of the rows they were made from)."""
+    q, d = xq
+    return (q.float().view(q.shape[0], -1, BLOCK) * d.float()[..., None]).view(q.shape)

@@ -105,7 +105,7 @@ def test_bench_gemv_tables_with_the_tensor_core_arms():
     # (the q8_0 chains as the model routes them: q8_linear at 16 rows, with and without PDL's norms)
     assert set(chains[chains.n == 16].arm) == {"cublas", "mma_pdl_glu", "gemv_pdl_model", "q8_linear_model",
                                               "q8_pdl_model", "q8i_pdl_model"}
-    assert not {"q8_pdl", "q8i_pdl"} & set(bench_gemv.arms_for(bench_gemv.MATRIX_ARMS, 16))
+    assert not {"q8_pdl", "q8i_pdl", "q8x_pdl"} & set(bench_gemv.arms_for(bench_gemv.MATRIX_ARMS + bench_gemv.GLU_ARMS, 16))
 
 
 def test_bench_stream_figure_redraws_from_its_csv(tmp_path, monkeypatch):

@@ -48,11 +48,15 @@ class LayerOps:
 
             self._norm, self._silu_mul = rms_norm.add_rms_norm, swiglu.silu_mul
 
-    def add_rms_norm(self, x, w, eps, delta=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, RMSNorm(x + delta) * w); x itself when delta is None."""
+    def add_rms_norm(self, x, w, eps, delta=None, q8: bool = False):
+        """(x + delta, RMSNorm(x + delta) * w, yq); x itself when delta is None. yq: with ``q8``, the
+        normalised rows' q8_0 blocks (``reference.q8_rows``) that the next int8 matmuls take as ``xq``, else
+        None."""
         if self.triton:
-            return self._norm(x, w, eps, delta, pdl=self.pdl)
-        return reference.add_rms_norm(x, w, eps, delta)
+            return self._norm(x, w, eps, delta, pdl=self.pdl, q8=True) if q8 else (
+                *self._norm(x, w, eps, delta, pdl=self.pdl), None)
+        s, y = reference.add_rms_norm(x, w, eps, delta)
+        return s, y, reference.q8_rows(y) if q8 else None
 
     def rope(self, pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float) -> Rope:
         """The RoPE of a pass whose rows sit at ``pos``: the kernel computes the angles itself, the

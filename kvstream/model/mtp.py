@@ -161,8 +161,9 @@ class MTPHead(torch.nn.Module):
 
     def _block_out(self, x: torch.Tensor, a: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         decode = self._decode(ops)
-        g, h = self._norm(x, self.ffn_norm, ops, linear(a.reshape(x.shape[0], -1), self.wo, None, decode))  # + residual
-        return g + linear(swiglu(h, self.w_gate_up, ops.silu_mul, decode), self.w_down, None, decode)
+        g, h, _ = self._norm(x, self.ffn_norm, ops, linear(a.reshape(x.shape[0], -1), self.wo, None, decode))  # + residual
+        s, sq = swiglu(h, self.w_gate_up, ops.silu_mul, decode)
+        return g + linear(s, self.w_down, None, decode, sq)
 
     def logits(self, g: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """[n, d] block outputs -> [n, draft_vocab] float32 logits."""

@@ -19,6 +19,7 @@ from kernels.reference import rms_norm, rope_inv_freq
 from kvstream.cache.contiguous import ContiguousCache
 from kvstream.model.layer_ops import LayerOps
 from kvstream.model.loader import ModelConfig, load_weights, open_gguf, read_config
+from kvstream.model import weights
 from kvstream.model.weights import MATRICES, WEIGHT_FORMATS, Q8, embedding, flat, linear, swiglu, unflat
 
 
@@ -162,26 +163,31 @@ class Qwen:
         x, delta = embedding(tokens, self.embed, self.dtype), None
         H, D = cfg.n_heads, cfg.head_dim
         qk_width = (H + cfg.n_kv_heads) * D
+        # a q8_0_int8 decode row: each norm and gate/up's SwiGLU write their rows' q8_0 blocks once for the
+        # matmuls after them (their programs would otherwise each quantize x; weights.int8_row)
+        q8 = weights.int8_row(tokens, self.layers[0].wqkv, self.gemv)
         for i, L in enumerate(self.layers):
-            x, h = ops.add_rms_norm(x, L.attn_norm, eps, delta)  # the previous block's residual add too
+            x, h, hq = ops.add_rms_norm(x, L.attn_norm, eps, delta, q8=q8)  # the previous block's residual add too
             if i in taps:  # the stream entering block i
                 tapped[i] = x
-            qkv = linear(h, L.wqkv, L.bqkv, self.gemv)
+            qkv = linear(h, L.wqkv, L.bqkv, self.gemv, hq)
             # q and k heads side by side: one RoPE over both, which a paged cache fuses into its store
             qk = qkv[:, :qk_width].view(n, -1, D)
             v = qkv[:, qk_width:].view(n, cfg.n_kv_heads, D)
             if L.q_norm is not None:
                 qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)), 1)
             a = cache.attend_rope(i, qk, v, rope).reshape(n, H * D)
-            x, h = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a, L.wo, None, self.gemv))
-            delta = linear(swiglu(h, L.w_gate_up, ops.silu_mul, self.gemv), L.w_down, None, self.gemv)
+            x, h, hq = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a, L.wo, None, self.gemv), q8=q8)
+            g, gq = swiglu(h, L.w_gate_up, ops.silu_mul, self.gemv, hq)
+            delta = linear(g, L.w_down, None, self.gemv, gq)
         if not all_logits and not hidden:
             x, delta = x[-1:], delta[-1:]
-        x, h = ops.add_rms_norm(x, self.out_norm, eps, delta)
+        x, h, hq = ops.add_rms_norm(x, self.out_norm, eps, delta, q8=q8)
         tapped[cfg.n_layers] = x
         # a q8_0 head's row takes q8_gemv (exact 80, int8 63 us; q8_linear 80); a dense head stays with cuBLAS
         # (kernels/gemv.py read it in 112 against 130 us alone, results/kernels/q8_gemv/int8: not yet run in a step)
-        logits = linear(h if all_logits else h[-1:], self.lm_head, None, self.gemv and isinstance(self.lm_head, Q8)).float()
+        logits = linear(h if all_logits else h[-1:], self.lm_head, None, self.gemv and isinstance(self.lm_head, Q8),
+                        hq).float()
         cache.end_step()
         if not taps:
             return logits

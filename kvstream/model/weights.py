@@ -95,32 +95,46 @@ def decode_matmul(x: torch.Tensor, w, gemv: bool):
     return gemv_mma.gemv_mma
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemv: bool = False) -> torch.Tensor:
+def int8_row(x: torch.Tensor, w, gemv: bool) -> bool:
+    """Whether ``linear`` multiplies x's row in int8 (a ``q8_0_int8`` weight's decode row with ``gemv``):
+    then x's q8_0 blocks, made once by the kernel that writes x, may come as ``xq``."""
+    return gemv and isinstance(w, Q8) and w.int8 and x.shape[0] == 1
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, gemv: bool = False, xq=None) -> torch.Tensor:
     """x @ w^T (+ bias) for a dense or q8_0 weight: the Triton kernel on CUDA, its reference elsewhere;
     with ``gemv`` a decode pass's rows through ``decode_matmul``'s kernel (on the CPU, a ``q8_0_int8``
-    weight's decode row through the int8 kernel's arithmetic: x rounded through q8_0 blocks first)."""
+    weight's decode row through the int8 kernel's arithmetic: x rounded through q8_0 blocks first).
+    ``xq``: x's q8_0 blocks (``reference.q8_rows``), used where ``int8_row``."""
+    xq = xq if int8_row(x, w, gemv) else None
     kernel = decode_matmul(x, w, gemv)
     if kernel is not None:
-        return kernel(x, w, bias, pdl=True)
+        return kernel(x, w, bias, pdl=True, **({"xq": xq} if xq is not None else {}))
     if not isinstance(w, Q8):
         return F.linear(x, w, bias)
     if x.is_cuda:
         from kernels.q8_linear import q8_linear
 
         return q8_linear(x, w.q, w.d, bias)
-    if gemv and w.int8 and x.shape[0] == 1:
-        return reference.q8_linear(reference.q8_round(x), w.q, w.d, bias).to(x.dtype)
+    if int8_row(x, w, gemv):
+        xr = reference.q8_round(x) if xq is None else reference.q8_rows_dense(xq)
+        return reference.q8_linear(xr, w.q, w.d, bias).to(x.dtype)
     return reference.q8_linear(x, w.q, w.d, bias)
 
 
-def swiglu(x: torch.Tensor, w, silu_mul, gemv: bool = False) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w, silu_mul, gemv: bool = False, xq=None):
     """silu(x W_gate^T) * (x W_up^T) for the fused gate/up weight w = [W_gate; W_up]: ``silu_mul``
     applied to ``linear``'s product, or where ``decode_matmul`` gives a kernel, that kernel with
-    SwiGLU in its epilogue, rounded as the pair rounds (``glu``)."""
+    SwiGLU in its epilogue, rounded as the pair rounds (``glu``) -> (h, hq): hq where ``int8_row``, h's q8_0
+    blocks (written by that epilogue) for down's ``xq``, else None; ``xq`` as ``linear`` takes it."""
+    int8 = int8_row(x, w, gemv)
     kernel = decode_matmul(x, w, gemv)
-    if kernel is not None:
-        return kernel(x, w, glu=True, pdl=True)
-    return silu_mul(linear(x, w, None, gemv))
+    if kernel is None:
+        h = silu_mul(linear(x, w, None, gemv, xq))
+        return h, reference.q8_rows(h) if int8 else None
+    if int8:
+        return kernel(x, w, glu=True, pdl=True, q8_out=True, **({"xq": xq} if xq is not None else {}))
+    return kernel(x, w, glu=True, pdl=True), None
 
 
 def embedding(tokens: torch.Tensor, w, dtype: torch.dtype) -> torch.Tensor:

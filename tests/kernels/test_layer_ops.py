@@ -36,12 +36,31 @@ def test_add_rms_norm_matches_reference(dtype, n, hidden, with_delta):
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, hidden", [(1, 96), (2, 896)])
+def test_add_rms_norm_q8_writes_ys_blocks(dtype, n, hidden):
+    """``q8``: the same (s, y), and y's q8_0 blocks exactly as gguf's codec makes them from y (896 = 28
+    blocks in a 1024-wide program: the masked tail writes nothing)."""
+    g = _gen(hidden)
+    x = torch.randn(n, hidden, generator=g).to(dtype).to(DEVICE)
+    x[0, :32] = 0  # a zero block of y: scale 0
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
+    delta = torch.randn(n, hidden, generator=g).to(dtype).to(DEVICE)
+    s, y, (yq, yd) = add_rms_norm(x, w, 1e-6, delta, q8=True)
+    s0, y0 = add_rms_norm(x, w, 1e-6, delta)
+    assert torch.equal(s, s0) and torch.equal(y, y0)
+    ref_q, ref_d = reference.q8_rows(y.cpu())
+    assert torch.equal(yq.cpu(), ref_q) and torch.equal(yd.cpu(), ref_d)
+
+
 def test_add_rms_norm_rejects_bad_shapes():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"w \[hidden\]"):
         add_rms_norm(x, torch.ones(7, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="delta must be contiguous"):
         add_rms_norm(x, torch.ones(8, device=DEVICE), 1e-6, torch.zeros(2, 16, device=DEVICE)[:, ::2])
+    with pytest.raises(ValueError, match="q8 blocks need hidden a multiple of 32, got 8"):
+        add_rms_norm(x, torch.ones(8, device=DEVICE), 1e-6, q8=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

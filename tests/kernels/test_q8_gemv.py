@@ -78,6 +78,36 @@ def test_int8_is_the_exact_product_of_x_through_q8_0(dtype, n, N, K):
     assert torch.equal(q8_gemv(x[:1], q, d, glu=True, int8=True), silu_mul(q8_gemv(x[:1], q, d, int8=True)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_xq_is_the_kernels_own_quantization(dtype):
+    """``xq``, x's q8_0 blocks made outside (``reference.q8_rows``: gguf's codec, what the producer kernels
+    write): bit for bit the product ``int8`` gives when the kernel quantizes x itself (the same quants and
+    scales, the same sum order). ``q8_rows`` holds x's gguf round trip."""
+    if dtype == torch.bfloat16 and DEVICE.type == "cpu":
+        pytest.skip("the interpreter truncates fp32 -> bf16 (kernels/NOTES.md): bf16 runs on CUDA")
+    q, d, _ = _weight(40, 224, 7)
+    x = _x(3, 224, dtype, 8)
+    x[1, 32:64] = 0  # a zero block
+    xq = tuple(t.to(DEVICE) for t in reference.q8_rows(x.cpu()))
+    assert torch.equal(reference.q8_rows_dense(xq).cpu(), reference.q8_round(x.cpu()))
+    for launch in (None, Launch(8, 64, 4), Launch(16, 256, 4)):
+        assert torch.equal(q8_gemv(x, q, d, xq=xq, launch=launch), q8_gemv(x, q, d, int8=True, launch=launch))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_glu_q8_out_is_h_through_q8_0(dtype):
+    """``q8_out``: gate/up's SwiGLU output h unchanged, and beside it h's q8_0 blocks exactly as gguf's codec
+    makes them from h (down's ``xq``); 64 rows a program hold 32 whole columns; a tail program's masked
+    blocks are not written."""
+    q, d, _ = _weight(2 * 96, 64, 9)
+    x = _x(2, 64, dtype, 10)
+    for launch in (Launch(64, 64, 4), Launch(128, 32, 4)):
+        out, hq = q8_gemv(x, q, d, glu=True, int8=True, q8_out=True, launch=launch)
+        assert torch.equal(out, q8_gemv(x, q, d, glu=True, int8=True, launch=launch))
+        ref = reference.q8_rows(out.cpu())
+        assert torch.equal(hq[0].cpu(), ref[0]) and torch.equal(hq[1].cpu(), ref[1])
+
+
 @pytest.mark.parametrize("block_n, block_k", [(1, 32), (4, 64), (8, 128), (16, 256)])
 def test_tiles_and_k_loop(block_n, block_k):
     """Row blocks that do not divide N, tiles of blocks that do not divide K's 7 blocks (the next tile's
@@ -129,3 +159,23 @@ def test_bad_input_one_line(make, match):
     x, q, d, b = make(q, d)
     with pytest.raises(ValueError, match=match):
         q8_gemv(x.to(DEVICE), q.to(DEVICE), d.to(DEVICE), None if b is None else b.to(DEVICE))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(xq=(torch.zeros(1, 32, dtype=torch.int8), torch.zeros(1, 2, dtype=torch.float16))), r"xq must be .* \[1, 64\]"),
+    (dict(xq=(torch.zeros(1, 64, dtype=torch.int8), torch.zeros(1, 2))), r"fp16 \[1, 2\] scales"),
+    (dict(q8_out=True), "q8_out needs glu"),
+    (dict(glu=True, q8_out=True), "a multiple of 32 output columns, got glu=True, 4 columns"),
+])
+def test_bad_q8_rows_one_line(kw, match):
+    q, d = reference.q8_weight(torch.randn(8, 64))
+    kw = {k: tuple(t.to(DEVICE) for t in v) if k == "xq" else v for k, v in kw.items()}
+    with pytest.raises(ValueError, match=match):
+        q8_gemv(torch.randn(1, 64).to(DEVICE), q.to(DEVICE), d.to(DEVICE), **kw)
+
+
+def test_q8_out_launch_holds_whole_blocks():
+    q, d = reference.q8_weight(torch.randn(128, 64))
+    with pytest.raises(ValueError, match="with q8_out a multiple of 64"):
+        q8_gemv(torch.randn(1, 64).to(DEVICE), q.to(DEVICE), d.to(DEVICE), glu=True, q8_out=True,
+                launch=Launch(16, 64, 4))
