@@ -201,7 +201,7 @@ def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, N, n_w, n_blocks, stride
                  mask=(o_r[:, None] < ROWS) & m_n[None, :])
 
 
-def launch_for(n: int, k: int, int8: bool = False, q8_out: bool = False) -> Launch:
+def launch_for(n: int, k: int, int8: bool = False, xq: bool = False, q8_out: bool = False) -> Launch:
     """W [n, k]'s launch, the fastest of a sweep on the H200 at one row with PDL for the 1.5B's matrices
     (results/kernels/q8_gemv): a long K (down's 8960) 4 rows a program, 2048-wide tiles on 8 warps (10.2
     against 12.3 us for 1024 on 4); many rows (gate/up, the LM head) 16 rows a program, 512-wide tiles on
@@ -210,10 +210,17 @@ def launch_for(n: int, k: int, int8: bool = False, q8_out: bool = False) -> Laun
     ``int8`` (each program quantizes all of x's K itself: more rows a program share that work): down 8
     rows, 2048-wide tiles, 8 warps (9.6 against 19.3 us for 16 rows, 512-wide, 4 warps); the LM head 32
     rows, 512-wide, 4 warps (63.3); gate/up 16 rows, 512-wide (10.9); Q/K/V and output 16 rows,
-    2048-wide, 4 warps (2.8 / 2.6 against 4.0 / 3.6 us)."""
+    2048-wide, 4 warps (2.8 / 2.6 against 4.0 / 3.6 us). ``xq`` (x's blocks given): down 4 rows, 2048-wide
+    tiles, 4 warps (6.7 us); the LM head 16 rows, 512-wide (61.2); gate/up 8 rows, 512-wide (9.2); Q/K/V and
+    output as int8 (2.3 / 1.8). ``q8_out`` (gate/up with SwiGLU, 32 whole columns a program): 64 rows,
+    256-wide tiles, 4 warps (10.9 us; 12.1 for 512-wide, 14.7 on 8 warps)."""
     tile = lambda w: min(max(triton.next_power_of_2(k), QK), w)
-    if q8_out:  # 32 whole output columns a program (64 rows of [W_gate; W_up])
-        return Launch(64, tile(512), 8)
+    if q8_out:
+        return Launch(64, tile(256), 4)
+    if xq:
+        if k >= 4096:
+            return Launch(4, tile(2048), 4)
+        return Launch(8 if 8192 <= n < 65536 else 16, tile(512 if n >= 8192 else 2048), 4)
     if int8:
         if k >= 4096:
             return Launch(8, tile(2048), 8)
@@ -265,7 +272,7 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
         check_rows_q8(xq, x.shape[0], k, x.device)
     if q8_out and (not glu or (n_w // 2) % QK):
         raise ValueError(f"q8_out needs glu and a multiple of {QK} output columns, got glu={glu}, {n_w // 2} columns")
-    cfg = launch or launch_for(n_w, k, int8 or xq is not None, q8_out)
+    cfg = launch or launch_for(n_w, k, int8, xq is not None, q8_out)
     if cfg.block_k % QK or (glu and cfg.block_n % 2) or (q8_out and cfg.block_n % (2 * QK)):
         raise ValueError(f"block_k must be a multiple of {QK}, with glu block_n even, with q8_out a multiple of "
                          f"{2 * QK}: got {cfg}")

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import kwargs as pdl_kwargs, wait_then_release
-from kernels.q8_gemv import QK, q8_blocks
+from kernels.q8_gemv import QK, q8_quant, q8_scale
 
 
 @triton.jit
@@ -24,7 +24,10 @@ def _add_rms_norm_kernel(x, delta, w, s_out, y_out, q_out, d_out, row_stride, hi
                          HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
-    o = tl.arange(0, BLOCK)
+    # the row as [BLOCK / 32, 32], q8_0's blocks, with or without Q8: the same layout, so the same sum order
+    # and the same y whether or not its blocks are written
+    o_b = tl.arange(0, BLOCK // 32)
+    o = o_b[:, None] * 32 + tl.arange(0, 32)[None, :]
     m = o < hidden
     v = tl.load(x + row * row_stride + o, mask=m, other=0.0)
     if HAS_DELTA:
@@ -32,17 +35,15 @@ def _add_rms_norm_kernel(x, delta, w, s_out, y_out, q_out, d_out, row_stride, hi
         v = (v.to(tl.float32) + d.to(tl.float32)).to(v.dtype)
         tl.store(s_out + row * hidden + o, v, mask=m)
     f = v.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(f * f, axis=0) / hidden + eps)
+    rstd = tl.rsqrt(tl.sum(tl.sum(f * f, axis=1), axis=0) / hidden + eps)
     normed = (f * rstd).to(v.dtype).to(tl.float32)
     g = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
     y = (normed * g).to(v.dtype)
     tl.store(y_out + row * hidden + o, y, mask=m)
-    if Q8:  # y's q8_0 blocks (the masked tail is zeros: whole blocks of zeros past hidden)
-        y_q, y_d = q8_blocks(tl.reshape(y.to(tl.float32), (1, BLOCK)), BLOCK // 32, 1)
-        tl.store(q_out + row * hidden + o, tl.reshape(y_q, (BLOCK,)).to(tl.int8), mask=m)
-        o_d = tl.arange(0, BLOCK // 32)
-        tl.store(d_out + row * (hidden // 32) + o_d, tl.reshape(y_d, (BLOCK // 32,)).to(tl.float16),
-                 mask=o_d < hidden // 32)
+    if Q8:  # y's q8_0 blocks (past hidden: blocks of zeros, not written)
+        y_d, inv = q8_scale(tl.max(tl.abs(y.to(tl.float32)), 1))
+        tl.store(q_out + row * hidden + o, q8_quant(y.to(tl.float32) * inv[:, None]).to(tl.int8), mask=m)
+        tl.store(d_out + row * (hidden // 32) + o_b, y_d.to(tl.float16), mask=o_b < hidden // 32)
 
 
 def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
@@ -63,7 +64,7 @@ def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     yq = (torch.empty((n, hidden), dtype=torch.int8, device=x.device),
           torch.empty((n, hidden // QK), dtype=torch.float16, device=x.device)) if q8 else (y, y)
     s = torch.empty_like(y) if delta is not None else x
-    block = triton.next_power_of_2(hidden)
+    block = max(triton.next_power_of_2(hidden), QK)
     _add_rms_norm_kernel[(n,)](x, delta if delta is not None else x, w, s, y, *yq, x.stride(0), hidden, eps,
                                HAS_DELTA=delta is not None, BLOCK=block, Q8=q8, num_warps=4 if block <= 2048 else 8,
                                **pdl_kwargs(pdl, x.device))

@@ -144,6 +144,11 @@ def test_launch_rule_gives_the_sweeps_fastest_for_the_1_5b():
     assert launch_for(151936, 1536, int8=True) == Launch(32, 512, 4)  # the LM head
     assert launch_for(17920, 1536, int8=True) == Launch(16, 512, 4)  # gate/up
     assert launch_for(2048, 1536, int8=True) == Launch(16, 2048, 4)  # Q/K/V (output the same)
+    assert launch_for(1536, 8960, xq=True) == Launch(4, 2048, 4)  # xq: down
+    assert launch_for(151936, 1536, xq=True) == Launch(16, 512, 4)  # the LM head
+    assert launch_for(17920, 1536, xq=True) == Launch(8, 512, 4)  # gate/up
+    assert launch_for(2048, 1536, xq=True) == Launch(16, 2048, 4)  # Q/K/V (output the same)
+    assert launch_for(17920, 1536, xq=True, q8_out=True) == Launch(64, 256, 4)  # gate/up writing h's blocks
 
 
 @pytest.mark.parametrize("make, match", [
