@@ -169,8 +169,11 @@ def test_graphed_decode_across_page_openings_updates_its_copies_instead_of_captu
 def test_a_cache_releases_the_graphs_in_its_slab_before_its_pools(tmp_path, order):
     """A cache freed before the GraphedModel that captured into its slab (a failed test's frame
     let go local by local), or both in one garbage collection: the cache resets those graphs
-    before its pools go. The owner freed first: its graphs go with it. The other order aborted the process ("Fatal Python error: Aborted" while
-    garbage-collecting, H200, 2026-12-02)."""
+    before its pools go, and empties the owner's entries first (their output buffers are the slab's too). The
+    owner freed first: its graphs go with it. The other order aborted the process ("Fatal Python error:
+    Aborted" while garbage-collecting, H200, 2026-12-02); so did an owner whose cache was freed and the
+    allocator's cache emptied before the owner let its output buffers go ("invalid device pointer", the
+    owner kept for a second run on a new cache, 2026-12-04)."""
     import gc
 
     import test_paged_cache as t
@@ -184,6 +187,8 @@ def test_a_cache_releases_the_graphs_in_its_slab_before_its_pools(tmp_path, orde
     if order == "cache first":
         del cache
         gc.collect()
+        torch.cuda.empty_cache()
+        assert graphed.graphs == {}  # the cache emptied them: no buffer of its pools outlives them
         del graphed
     elif order == "owner first":  # a discarded GraphedModel's graphs leave the slab with it
         del graphed

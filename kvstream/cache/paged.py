@@ -95,7 +95,8 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         # CUDA: the compute buffers of the phase's passes, and (both_slabs) of the decode-width ones
         self._pools: tuple[SlabPool | None, SlabPool | None] = (None, None)
         self._pools_at = None  # (arena address, slab bytes) the pools were made for
-        self.slab_graphs: list[torch.cuda.CUDAGraph] = []  # captured into the slab: released before it (drop_graphs)
+        # (graph, its owner's dict of entries) captured into the slab: released before it (drop_graphs)
+        self.slab_graphs: list[tuple[torch.cuda.CUDAGraph, dict]] = []
         self.relayout()
 
     def __del__(self):

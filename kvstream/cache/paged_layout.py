@@ -67,23 +67,25 @@ class ArenaLayout:
             self._pools[0].recycle()
         return super().compute()
 
-    def keep_graph(self, graph: torch.cuda.CUDAGraph) -> None:
-        """``graph`` was captured into this cache's slab: it is released before the slab is
-        (``drop_graphs``). A graph still holding a pool when torch's pool is destroyed aborts the
-        process, and a garbage collection may free the cache before the graph's owner."""
-        self.slab_graphs.append(graph)
+    def keep_graph(self, graph: torch.cuda.CUDAGraph, owner: dict) -> None:
+        """``graph`` was captured into this cache's slab by ``owner``, the dict in which its owner keeps its
+        graphs and their output buffers (also the slab's): ``drop_graphs`` empties that dict, then releases the
+        graph, before the slab goes. A graph or a buffer outliving its pool aborts the process, and a garbage
+        collection may free the cache before the graph's owner."""
+        self.slab_graphs.append((graph, owner))
 
-    def forget_graphs(self, graphs) -> None:
-        """The owner of ``graphs`` freed them itself."""
-        ids = {id(g) for g in graphs}
-        self.slab_graphs = [g for g in self.slab_graphs if id(g) not in ids]
+    def forget_graphs(self, owner: dict) -> None:
+        """``owner`` freed its graphs itself."""
+        self.slab_graphs = [(g, o) for g, o in self.slab_graphs if o is not owner]
 
     def drop_graphs(self) -> None:
-        """Release every graph captured into the slab (their owners' replays would then fail:
-        owners drop them at a re-layout, before anything replays)."""
+        """Release every graph captured into the slab, their owners' entries (output buffers) first: an
+        owner then captures anew (owners drop them at a re-layout too, before anything replays)."""
         if self.slab_graphs:
             torch.cuda.synchronize(self.device)  # none may be running while its executable goes
-            for g in self.slab_graphs:
+            for owner in {id(o): o for _, o in self.slab_graphs}.values():
+                owner.clear()
+            for g, _ in self.slab_graphs:
                 g.reset()
             self.slab_graphs = []
 

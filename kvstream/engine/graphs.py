@@ -118,7 +118,7 @@ class GraphedModel:
         """Let the graphs go: the cache they were captured into holds them until told (keep_graph)."""
         cache = self._cache()
         if cache is not None and hasattr(cache, "forget_graphs"):
-            cache.forget_graphs(e.graph for e in self.graphs.values())
+            cache.forget_graphs(self.graphs)
         self.graphs.clear()
 
     def __del__(self):
@@ -130,7 +130,7 @@ class GraphedModel:
     def _capture(self, n, pos, cache, all_logits, hidden, rows, plan) -> Captured:
         body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)
         # keep_graph: its nodes stay readable, so the copies can be re-pointed
-        graph, out = capture(body, cache, self.pool, self.stream, keep_graph=True)
+        graph, out = capture(body, cache, self.pool, self.stream, self.graphs, keep_graph=True)
         self.captures += 1
         copies = None
         if rows:
@@ -161,17 +161,18 @@ class ChainGraphs:
             self.graphs, self.at, self.pool = {}, at, torch.cuda.graph_pool_handle()
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = capture(body, cache, self.pool, self.stream)
+            entry = self.graphs[key] = capture(body, cache, self.pool, self.stream, self.graphs)
             self.captures += 1
         entry[0].replay()
         return entry[1]
 
 
-def capture(body, cache, pool, stream, keep_graph: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(body, cache, pool, stream, owner: dict, keep_graph: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, its output buffers) of ``body``, device work between ``cache.begin`` and
     ``cache.commit``: run once eagerly on ``stream`` (Triton compiles, the allocator warms), then
     captured there; with a slab, the graph's buffers are the slab's (its out-of-memory errors
-    too), else ``pool``'s. ``body`` must be idempotent: its rows are written again by the replay."""
+    too) and the cache empties ``owner`` (the dict the caller keeps it in) before the slab goes
+    (``keep_graph``), else ``pool``'s. ``body`` must be idempotent: its rows are written again by the replay."""
     slab = cache.slab_pool
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), cache.compute():
@@ -184,7 +185,7 @@ def capture(body, cache, pool, stream, keep_graph: bool = False) -> tuple[torch.
     if keep_graph:
         graph.instantiate()
     if slab is not None:
-        cache.keep_graph(graph)
+        cache.keep_graph(graph, owner)
     return graph, out
 
 
