@@ -9,7 +9,7 @@ tile; the loop is what runs per 64 or 128 keys.
 
     python -m experiments.kernel_sass                       # q8_0/q4_0, n_q 1 and 6
     python -m experiments.kernel_sass --pair q8_0 q8_0 --n-q 1 2 --out /tmp/sass
-    python -m experiments.kernel_sass --q8-gemv 16 512 4 [--int8]   # kernels/q8_gemv.py's loop, one row
+    python -m experiments.kernel_sass --q8-gemv 16 512 4 [--int8 | --xq]   # kernels/q8_gemv.py's loop, one row
 
 Match the device's Triton version (3.6 on the H200 the results come from): another version
 compiles other code. One way, without touching the environment: ``pip install --target /tmp/t36
@@ -72,27 +72,30 @@ def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
                     num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.maxnreg)
 
 
-def compile_q8_gemv(block_n: int, block_k: int, num_warps: int, int8: bool, arch=90):
-    """``kernels/q8_gemv.py``'s kernel for one bf16 row with PDL, as a launch specializes it."""
+def compile_q8_gemv(block_n: int, block_k: int, num_warps: int, int8: bool, xq: bool = False, arch=90):
+    """``kernels/q8_gemv.py``'s kernel for one bf16 row with PDL, as a launch specializes it (``xq``: int8
+    with x's blocks given)."""
     from kernels import q8_gemv
 
-    const = dict(ROWS=1, ROWS_P=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, GLU=False, INT8=int8,
-                 ASM=True, PDL=True)
-    ptr = {"x": "*bf16", "q": "*i32", "d": "*fp16", "bias": "*fp16", "out": "*bf16"}
+    const = dict(ROWS=1, ROWS_P=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, GLU=False, INT8=int8 or xq,
+                 XQ=xq, Q8_OUT=False, ASM=True, PDL=True)
+    ptr = {"x": "*bf16", "q": "*i32", "d": "*fp16", "bias": "*fp16", "out": "*bf16", "xq": "*i32", "xd": "*fp16",
+           "oq": "*i8", "od": "*fp16"}
     return _compile(q8_gemv._q8_gemv_kernel, const, lambda name: ptr.get(name, "i32"),
                     lambda name: name in ptr or name.startswith("stride") or name == "n_w", arch, num_warps=num_warps)
 
 
-def q8_gemv_report(block_n: int, block_k: int, num_warps: int, int8: bool) -> dict:
+def q8_gemv_report(block_n: int, block_k: int, num_warps: int, int8: bool, xq: bool = False) -> dict:
     """The K loop's instructions per thread and per weight byte (a tile is block_n x block_k quants)."""
-    sass, _ = disassemble(compile_q8_gemv(block_n, block_k, num_warps, int8))
+    sass, _ = disassemble(compile_q8_gemv(block_n, block_k, num_warps, int8, xq))
     body = loop_body(sass)
     mix = collections.Counter(opcode(line) for line in body)
     per_byte = len(body) * 32 * num_warps / (block_n * block_k)
-    print(f"q8_gemv {block_n} rows, {block_k}-wide tiles, {num_warps} warps{', int8' if int8 else ''}: loop body "
+    mode = ", int8, x's blocks given" if xq else ", int8" if int8 else ""
+    print(f"q8_gemv {block_n} rows, {block_k}-wide tiles, {num_warps} warps{mode}: loop body "
           f"{len(body)} instructions a thread, {per_byte:.2f} a weight byte")
     print("  mix:   " + ", ".join(f"{k} {n}" for k, n in mix.most_common(16)))
-    return dict(block_n=block_n, block_k=block_k, num_warps=num_warps, int8=int8, loop_instructions=len(body),
+    return dict(block_n=block_n, block_k=block_k, num_warps=num_warps, int8=int8, xq=xq, loop_instructions=len(body),
                 per_weight_byte=per_byte)
 
 
@@ -162,10 +165,11 @@ def main(argv=None):
     p.add_argument("--q8-gemv", type=int, nargs=3, metavar=("ROWS", "BLOCK_K", "WARPS"),
                    help="instead: kernels/q8_gemv.py's loop at this launch")
     p.add_argument("--int8", action="store_true", help="--q8-gemv: the int8 dot (model.weights=q8_0_int8)")
+    p.add_argument("--xq", action="store_true", help="--q8-gemv: the int8 dot with x's q8_0 blocks given")
     args = p.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90")
     if args.q8_gemv:
-        return [q8_gemv_report(*args.q8_gemv, args.int8)]
+        return [q8_gemv_report(*args.q8_gemv, args.int8, args.xq)]
     return [report(tuple(args.pair), n_q, args.out) for n_q in args.n_q]
 
 

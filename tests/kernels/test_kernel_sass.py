@@ -26,12 +26,15 @@ def test_kernel_sass_reports_the_loop_of_an_sm90_build(tmp_path):
 
 @pytest.mark.skipif(not (BIN / "nvdisasm").exists(), reason="Triton's NVIDIA tools are not bundled here")
 def test_kernel_sass_reports_q8_gemvs_loop():
-    """``--q8-gemv``: the exact loop turns quants to fp32 by PRMT (no I2F); the int8 one takes dp4a (IDP)."""
+    """``--q8-gemv``: the exact loop turns quants to fp32 by PRMT (no I2F); the int8 one takes dp4a (IDP) and
+    rounds x (FRND); given x's blocks (``--xq``) it takes dp4a and rounds nothing."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     run = lambda *a: subprocess.run([sys.executable, "-m", "experiments.kernel_sass", "--q8-gemv", "16", "512", "4", *a],
                                     capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    exact, int8 = run(), run("--int8")
-    assert exact.returncode == 0 and int8.returncode == 0, exact.stderr[-3000:] + int8.stderr[-3000:]
+    exact, int8, xq = run(), run("--int8"), run("--xq")
+    for r in (exact, int8, xq):
+        assert r.returncode == 0, r.stderr[-3000:]
     assert "PRMT" in exact.stdout and "I2F" not in exact.stdout and "a weight byte" in exact.stdout, exact.stdout
-    assert "IDP" in int8.stdout, int8.stdout
+    assert "IDP" in int8.stdout and "FRND" in int8.stdout, int8.stdout
+    assert "IDP" in xq.stdout and "FRND" not in xq.stdout and "x's blocks given" in xq.stdout, xq.stdout
