@@ -63,8 +63,9 @@ ARMS = ("cublas", "gemv", "gemv_pdl", "gemv_pdl_glu", "mma_pdl_glu", "gemv_pdl_m
         "q8_pdl_model", "q8i_pdl_glu", "q8i_pdl_model")
 CUDA_CORE = ("gemv", "gemv_pdl", "gemv_pdl_glu", "q8_pdl", "q8i_pdl", "q8x_pdl", "q8i_pdl_glu") + GLU_ARMS
 EPS = 1e-6
+# --sweep: each kernel's launch grid at this many rows
 SWEEPS = (("gemv_pdl", 1), ("mma_pdl", 5), ("q8_pdl", 1), ("q8i_pdl", 1), ("q8x_pdl", 1), ("q8x_glu", 1))
-Q8_SWEEPS = ("q8_pdl", "q8i_pdl", "q8x_pdl")  # (the LM head's too)  # --sweep: each kernel's launch grid at this many rows
+Q8_SWEEPS = ("q8_pdl", "q8i_pdl", "q8x_pdl")  # (the LM head's too)
 
 
 def arms_for(arms, n: int) -> list[str]:
@@ -94,10 +95,13 @@ def matmul(arm: str, launch=None):
         return lambda x, w, b=None: F.linear(x, w, b)
     if arm == "q8_linear":
         return lambda x, w, b=None: weights.linear(x, w, b)
-    if arm in GLU_ARMS:  # (h alone: q8x_glu's blocks of h are written, not returned)
-        return lambda x, w, b=None, xq=None: q8_gemv.q8_gemv(x, w.q, w.d, glu=True, int8=True, xq=xq, pdl=True,
-                                                             q8_out=arm == "q8x_glu", launch=launch)[0] \
-            if arm == "q8x_glu" else q8_gemv.q8_gemv(x, w.q, w.d, glu=True, int8=True, pdl=True, launch=launch)
+    if arm in GLU_ARMS:  # h alone: q8x_glu's blocks of h are written, not returned
+        q8_out = arm == "q8x_glu"
+
+        def glu_arm(x, w, b=None, xq=None):
+            out = q8_gemv.q8_gemv(x, w.q, w.d, glu=True, int8=True, xq=xq, q8_out=q8_out, pdl=True, launch=launch)
+            return out[0] if q8_out else out
+        return glu_arm
     if arm.startswith("q8"):  # q8_pdl, q8i_pdl, q8x_pdl
         return lambda x, w, b=None, glu=False, xq=None: q8_gemv.q8_gemv(x, w.q, w.d, b, glu=glu, int8=int8(arm),
                                                                         xq=xq, pdl=True, launch=launch)
