@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 
 from kvstream.cli.generate import FREE_TEXT, run
@@ -187,6 +188,20 @@ def test_plain_step_records_hold_wall_time_between_steps(tiny, ahead):
     # ahead: the first step is queued before the first token is read, so nothing sleeps before it
     assert all(r.step_s >= 0.02 for r in g.records[ahead:])
     assert sum(r.step_s for r in g.records) <= g.stats.decode_s
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_stop_token_ends_the_output_its_logits_and_the_cache_together(tiny, ahead):
+    """Stopping on a token: the tokens up to it, one kept logits row per token and the cache at the
+    prompt plus the tokens fed, whether or not a step was queued after it (and rolled back)."""
+    model, greedy, prompt = load_model(tiny), Sampler(SamplingParams(temperature=0)), [1, 2, 3, 4]
+    ref = generate(model, model.new_cache(64), prompt, 12, greedy, keep_logits=True, run_ahead=False)
+    first = next(i for i, t in enumerate(ref.tokens) if i >= 3 and t not in ref.tokens[:i])  # a token new at i
+    cache = model.new_cache(64)
+    g = generate(model, cache, prompt, 12, greedy, stop_ids=[ref.tokens[first]], keep_logits=True, run_ahead=ahead)
+    assert g.tokens == ref.tokens[:first + 1] and g.stopped_on == ref.tokens[first]
+    assert len(g.logits) == len(g.tokens) and all(torch.equal(a, b) for a, b in zip(g.logits, ref.logits))
+    assert cache.length == len(prompt) + first and len(g.records) == first
 
 
 def test_chat_template_and_sampling_run(tiny):

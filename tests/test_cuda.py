@@ -118,6 +118,37 @@ def test_graphed_decode_is_bit_identical_to_eager(tmp_path, mode, ring, pages):
     assert graphed.captures == 1 if mode == "resident" else graphed.captures >= 1
 
 
+@pytest.mark.parametrize("mode", ["resident", "stream"])
+def test_greedy_generate_takes_its_argmax_in_the_graph_and_equals_eager(tmp_path, mode):
+    """A greedy ``generate`` through a GraphedModel runs ``next_token`` (the argmax inside the step's
+    graph, feeding the next replay): its tokens equal the eager model's across page openings (new
+    plans served in place when streaming), a stop token ends it at the same place with the same
+    cache length, and the first steps' captures are all it makes."""
+    import test_paged_cache as t
+    from kvstream.engine.graphs import GraphedModel
+
+    m = load_model(write_tiny_model(tmp_path / "m.gguf", t.SPEC), torch.float32, "cuda")
+    prompt = torch.randint(0, 357, (1500,), generator=torch.Generator().manual_seed(3)).tolist()
+    new = lambda: t.paged(m, mode) if mode == "resident" else t.paged(m, mode, mib=t.small_arena_mib(m, 6, 8), ring=8)
+    greedy = Sampler(SamplingParams(temperature=0), "cuda")
+    eager = generate(m, new(), prompt, 400, greedy, prefill_chunk=t.CHUNK)  # to 1900: pages open at 1536 and 1792
+    graphed = GraphedModel(m)
+    cache = new()  # (kept: a cache that goes drops the graphs captured into it)
+    assert generate(graphed, cache, prompt, 400, greedy, prefill_chunk=t.CHUNK).tokens == eager.tokens
+    assert [k[3] for k in graphed.graphs] == ["greedy"]  # no logits-returning step ran
+    if mode == "resident":  # nothing streamed: the tables are read in place
+        assert graphed.captures == 1
+    # the same graphs' steps through the logits path (kept logits): the same tokens too
+    assert generate(graphed, new(), prompt, 400, greedy, prefill_chunk=t.CHUNK, keep_logits=True).tokens == eager.tokens
+    stop = eager.tokens[max(i for i, tok in enumerate(eager.tokens) if tok not in eager.tokens[:i])]  # its first time
+    ends = []
+    for step in (m, graphed):
+        cache = new()
+        g = generate(step, cache, prompt, 400, greedy, prefill_chunk=t.CHUNK, stop_ids=[stop])
+        ends.append((g.tokens, g.stopped_on, cache.length))
+    assert ends[0] == ends[1] and ends[0][0] == eager.tokens[:len(ends[0][0])]
+
+
 @pytest.mark.parametrize("hidden", [True, (1, 2)], ids=["last stream", "two streams (EAGLE-3)"])
 def test_graphed_steps_return_the_hidden_states_an_mtp_head_reads(tmp_path, hidden):
     """``hidden`` through a captured step (a verify batch, streaming): (logits, h) equal the

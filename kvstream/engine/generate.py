@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstream.engine.graphs import warm_widths
+from kvstream.engine.graphs import GraphedModel, warm_next_token, warm_widths
 from kvstream.engine.readback import Readback
 from kvstream.model.sampling import Sampler
 from kvstream.telemetry import StepRecord
@@ -107,12 +107,19 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     back, so the host's part of a step (the stop check, the cache's bookkeeping, the launches)
     overlaps the GPU's. A stop token read back then has one step queued after it: that step's
     row is rolled back (``cache.truncate``). Without it each token is read before the next
-    step starts (on the CPU nothing overlaps, and a stop would cost a step)."""
+    step starts (on the CPU nothing overlaps, and a stop would cost a step).
+
+    A greedy decode through a ``GraphedModel`` with a paged cache, logits not kept, runs each
+    step as one graph that ends with the argmax and feeds the next (``GraphedModel.next_token``):
+    the same tokens, with no eager kernel between steps."""
     stop = set(stop_ids)
     dev = model.device
     ahead = dev.type == "cuda" if run_ahead is None else run_ahead
+    fused = (isinstance(model, GraphedModel) and sampler.params.greedy and not keep_logits
+             and hasattr(cache, "plan_key"))
     logits, prefill_s = prefill_phase(model, cache, prompt, prefill_chunk)
-    warm_s = warm_up(model, cache, [(1, False)])
+    warm_s = warm_up(model, cache, [] if fused else [(1, False)],
+                     *([lambda: warm_next_token(model, cache)] if fused else []))
     t1 = time.perf_counter()
     out: list[int] = []
     kept: list[torch.Tensor] = []
@@ -122,9 +129,15 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
 
     last = t1  # when the previous step was queued
 
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        if keep_logits:
+            kept.append(logits.clone())
+        return sampler(logits)  # on the device
+
     def step(tok: torch.Tensor) -> torch.Tensor:
+        """The next token after ``tok``, on the device (queued, not read)."""
         nonlocal last
-        nxt = model(tok.view(1), cache)[-1]
+        nxt = model.next_token(cache, tok) if fused else sample(model(tok.view(1), cache)[-1])
         now = time.perf_counter()
         # wall time since the previous step was queued: it includes the read-back of the token in
         # between, so with the host a step ahead it is, in steady state, the device's step time
@@ -133,14 +146,12 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
         last = now
         return nxt
 
+    tok = sample(logits)
     while len(out) < max_new_tokens:  # (0: no token at all)
-        if keep_logits:
-            kept.append(logits.clone())
-        tok = sampler(logits)  # on the device
-        readback.start(tok)
+        readback.start(tok.view(()))  # before a queued step rewrites ``tok`` (next_token's buffer)
         queued = ahead and len(out) + 1 < max_new_tokens  # a next step is needed unless tok stops
         if queued:
-            logits = step(tok)
+            tok = step(tok)
         t = int(readback.read())
         out.append(t)
         if on_token is not None:
@@ -150,10 +161,12 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
                 stopped = t
             if queued:  # the step queued after a stop token: its row is not part of the output
                 records.pop()
+                if keep_logits:
+                    kept.pop()
                 cache.truncate(cache.length - 1)
             break
         if not queued:
-            logits = step(tok)
+            tok = step(tok)
     sync_device(dev)
     t2 = time.perf_counter()
     return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1, warm_s), stopped, kept,

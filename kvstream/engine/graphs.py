@@ -46,13 +46,15 @@ class Captured:
 
 class GraphedModel:
     """Calls like the model (``graphed(tokens, cache, all_logits)``); decode widths replay graphs.
-    ``captures`` and ``updates`` count captures and plan changes served in place."""
+    ``next_token``: a greedy step with its argmax in the graph. ``captures`` and ``updates`` count
+    captures and plan changes served in place."""
 
     def __init__(self, model, max_width: int = MAX_N_Q):
         if model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {model.device}")
         self.model = model
         self.tokens = torch.zeros(max_width, dtype=torch.long, device=model.device)
+        self.feed = torch.zeros(1, dtype=torch.long, device=model.device)  # next_token's token, in and out
         self.graphs: dict[tuple, Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()  # for caches without a slab
         # warm-ups and captures run on one side stream, so a slab's segments serve both
@@ -72,14 +74,35 @@ class GraphedModel:
             # caches without static buffers
             return self.model(tokens, cache, all_logits, hidden)
         pos = cache.begin(n)
+        self.tokens[:n].copy_(tokens)
+        out = self._replay((n, all_logits, hidden), pos, cache)
+        # the graph's output buffers are rewritten by the next replay
+        return tuple(t.clone() for t in out) if hidden else out.clone()
+
+    def next_token(self, cache, token: torch.Tensor | None = None) -> torch.Tensor:
+        """A greedy decode step: ``token`` (int64 [1] on the device; None: the token this method
+        returned last) goes in, its argmax comes out, both in one graph: no logits leave it, no
+        eager argmax or copy runs between steps (``generate``'s greedy decode). Returns the graph's
+        token buffer [1], which the next call's replay rewrites (read it, or copy it, before).
+        The argmax is torch's on the logits ``__call__`` would return: the same token."""
+        if cache.recycles(1):
+            raise ValueError("next_token needs a decode-phase cache with static step buffers")
+        pos = cache.begin(1)
+        if token is not None and token.data_ptr() != self.feed.data_ptr():
+            self.feed.copy_(token.view(1))
+        return self._replay((1, False, "greedy"), pos, cache)
+
+    def _replay(self, kind: tuple, pos: torch.Tensor, cache):
+        """Replay the graph of ``kind`` (n, all_logits, hidden or "greedy") at the cache's plan, after
+        its ``begin``: captured on first use, its copies re-pointed on a plan change; then the commit.
+        Returns the graph's output buffer(s)."""
         # a new layout or another cache (not by id(): a new cache may reuse a freed one's id, and
         # replaying graphs captured on freed buffers is an illegal access): the old graphs are done
         if cache.layout_key() != self.layout or self._cache() is not cache:
             self._drop()
             self.layout, self._cache = cache.layout_key(), weakref.ref(cache)
         shape, rows = cache.step_plan()
-        key, plan = (n, all_logits, shape, hidden), cache.plan_key()
-        self.tokens[:n].copy_(tokens)
+        key, plan = (*kind[:2], shape, kind[2]), cache.plan_key()
         entry = self.graphs.get(key)
         if entry is not None and entry.plan != plan:
             t0 = time.perf_counter()
@@ -100,13 +123,12 @@ class GraphedModel:
                 # pass sized for one shape's steps: they go before this one is captured
                 self._drop()
             t0 = time.perf_counter()
-            entry = self.graphs[key] = self._capture(n, pos, cache, all_logits, hidden, rows, plan)
+            entry = self.graphs[key] = self._capture(*kind, pos, cache, rows, plan)
             cache.stats.plan_change = "capture"
             cache.stats.plan_s += time.perf_counter() - t0
         entry.graph.replay()
         cache.commit()
-        # the graph's output buffers are rewritten by the next replay
-        return tuple(t.clone() for t in entry.out) if hidden else entry.out.clone()
+        return entry.out
 
     def _drop(self) -> None:
         """Free every graph; freeing every graph of a pool frees the pool: captures need a new one."""
@@ -127,10 +149,19 @@ class GraphedModel:
         if getattr(self, "graphs", None):
             self._release()
 
-    def _capture(self, n, pos, cache, all_logits, hidden, rows, plan) -> Captured:
-        body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)
+    def _capture(self, n, all_logits, hidden, pos, cache, rows, plan) -> Captured:
+        if hidden == "greedy":
+            def body():  # the step reads the feed and writes its argmax there: chained replays decode
+                logits = self.model.body(self.feed, pos, cache)
+                self.feed.copy_(logits[-1].argmax(-1, keepdim=True))
+                return self.feed
+            saved = self.feed.clone()  # the capture's eager run writes the feed: the step's token goes back
+        else:
+            body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)
         # keep_graph: its nodes stay readable, so the copies can be re-pointed
         graph, out = capture(body, cache, self.pool, self.stream, self.graphs, keep_graph=True)
+        if hidden == "greedy":
+            self.feed.copy_(saved)
         self.captures += 1
         copies = None
         if rows:
@@ -187,6 +218,14 @@ def capture(body, cache, pool, stream, owner: dict, keep_graph: bool = False) ->
     if slab is not None:
         cache.keep_graph(graph, owner)
     return graph, out
+
+
+def warm_next_token(graphed: GraphedModel, cache) -> None:
+    """``next_token``'s graph captured at the cache's end and rolled back, as ``warm_widths`` does."""
+    n = cache.length
+    if n + 1 <= cache.max_tokens:
+        graphed.next_token(cache, torch.zeros(1, dtype=torch.long, device=graphed.device))
+        cache.truncate(n)
 
 
 def warm_widths(step, cache, widths) -> None:
