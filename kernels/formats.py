@@ -95,6 +95,19 @@ class PageFormat:
         """Byte offset of the scale section in a page (= page_bytes for f16)."""
         return PAGE_TOKENS * self.n_kv_heads * self.qrow_bytes
 
+    def row_spans(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """(byte offset, bytes) of the runs in a page that hold token rows [lo, hi): the whole page
+        as one run, else one run per KV head in the quants and one in the scales (head-major)."""
+        if not 0 <= lo < hi <= PAGE_TOKENS:
+            raise ValueError(f"token rows [{lo}, {hi}) are not in a page of {PAGE_TOKENS}")
+        if (lo, hi) == (0, PAGE_TOKENS):
+            return [(0, self.page_bytes)]
+        sections = [(0, self.qrow_bytes)]
+        if self.kv_type.scale_bytes:
+            sections.append((self.scale_offset, self.blocks_per_head * self.kv_type.scale_bytes))
+        return [(base + (h * PAGE_TOKENS + lo) * row, (hi - lo) * row)
+                for base, row in sections for h in range(self.n_kv_heads)]
+
 
 def page_bytes(n_kv_heads: int, head_dim: int, t: str | KVType) -> int:
     """Bytes of one page: 256 tokens of one layer's K (or V), all KV heads."""

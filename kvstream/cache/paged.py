@@ -228,13 +228,16 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         return causal_attention(q, k, v)
 
     def commit(self) -> None:
-        """The new rows become history; their pages go back to the host store (one 2-D copy
-        per page for K and one for V)."""
-        first, end = self.length // PAGE_TOKENS, -(-(self.length + self._n) // PAGE_TOKENS)
-        for p in range(first, end):  # every written page is resident (begin)
-            for host, rows in self._page_rows(p):
+        """The new rows become history: they go back to the host store, every layer's at once (a
+        2-D copy per page for K and one for V when a pass fills whole pages, else one per KV head
+        and section: a decode step moves its row, not its page, whose 3 MB a step on the 1.5B
+        held the copy engine long enough to delay the next step's token readback)."""
+        lo, hi = self.length, self.length + self._n
+        for p in range(lo // PAGE_TOKENS, -(-hi // PAGE_TOKENS)):  # every written page is resident (begin)
+            a, b = max(lo - p * PAGE_TOKENS, 0), min(hi - p * PAGE_TOKENS, PAGE_TOKENS)
+            for host, rows in self._page_rows(p, a, b):
                 self.copier.write_back(host, rows)
-        self.stats.d2h_bytes += self.n_layers * (end - first) * self.layout.pair
+                self.stats.d2h_bytes += rows.numel()
         self._primed = self.plan_key() if self._wrap else None  # this step's end copied its first round
         self.clock.close_pass(self.stats)
         super().commit()

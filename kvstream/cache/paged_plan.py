@@ -21,13 +21,15 @@ class ResidencyPlan:
     def _pool_slot(self, layer, j):  # ints, or int tensors (every layer at once)
         return self.ring_pages + layer * self.capacity + j
 
-    def _page_rows(self, p: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """(host view, pool rows) of resident page ``p`` of every layer, for K and for V: the
-        pool holds layer l's copy ``capacity`` slots after layer l - 1's, so both sides are one
-        strided 2-D view (one copy each way)."""
+    def _page_rows(self, p: int, lo: int = 0, hi: int = PAGE_TOKENS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(host view, pool rows) of token rows [lo, hi) of resident page ``p`` of every layer, K's
+        then V's: the pool holds layer l's copy ``capacity`` slots after layer l - 1's, so each run
+        of bytes the rows occupy in a page (``PageFormat.row_spans``: the whole page, or a run per
+        head and section) is one strided 2-D view on both sides (one copy each way)."""
         j, last, cap = self._pool_slot(0, self.slot[p]), self.n_layers - 1, self.capacity
-        return ((self.host.k[:, p], self.kspace[j:j + last * cap + 1:cap]),
-                (self.host.v[:, p], self.vspace[j:j + last * cap + 1:cap]))
+        return [(host[:, p, a:a + w], pool[j:j + last * cap + 1:cap, a:a + w])
+                for host, pool, fmt in ((self.host.k, self.kspace, self.k_fmt), (self.host.v, self.vspace, self.v_fmt))
+                for a, w in fmt.row_spans(lo, hi)]
 
     def _upload(self, pages) -> None:
         """Resident pages ``pages`` of every layer from the host store (after ``copier.wait``)."""

@@ -107,6 +107,24 @@ def test_page_export_import_roundtrip(t, gen):
     np.testing.assert_array_equal(got.reshape(PAGE_TOKENS, -1).numpy(), want)
 
 
+@pytest.mark.parametrize("t", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("lo, hi", [(0, 1), (37, 38), (250, 256), (3, 200), (0, 256)])
+def test_row_spans_hold_exactly_the_rows(t, lo, hi, gen):
+    """Copying a page's ``row_spans(lo, hi)`` from another page moves GGML rows [lo, hi) and no
+    other byte (the GGML view, page_to_ggml, is the independent reference)."""
+    fmt = PageFormat(t, 2, 128)
+    old, new = torch.randint(0, 256, (2, fmt.page_bytes), dtype=torch.uint8, generator=gen)
+    got = old.clone()
+    for a, w in fmt.row_spans(lo, hi):
+        got[a:a + w] = new[a:a + w]
+    want = page_to_ggml(old, fmt)
+    want[lo:hi] = page_to_ggml(new, fmt)[lo:hi]
+    assert torch.equal(page_to_ggml(got, fmt), want)
+    assert len(fmt.row_spans(lo, hi)) == (1 if (lo, hi) == (0, 256) else 2 * (1 + (t != "f16")))
+    with pytest.raises(ValueError, match=r"token rows \[5, 5\)"):
+        fmt.row_spans(5, 5)
+
+
 def _q4_0_quants(b: np.ndarray, fma: bool) -> np.ndarray:
     """gguf's q4_0 quants of float32 blocks [n, 32], with x * id + 8.5 rounded once (FMA) or
     twice (gguf). The FMA is emulated exactly: x * id is exact in float64 (48 bits), and for
