@@ -13,7 +13,9 @@ cache (on CUDA with the host a step ahead, so its part overlaps the GPU's): ``ge
 the step time a user gets. Writes ``<out>/step_<device>_<model>_<context>.csv`` (one row
 per step, seconds) and prints the medians. ``--profile`` (CUDA) adds
 ``<out>/kernels_<model>_<context>.csv``: the GPU time of one captured step by kernel
-(torch.profiler over replays), the explanation of the GPU part.
+(torch.profiler over replays), the explanation of the GPU part; and
+``<out>/decode_<model>_<context>.csv``: ``generate()``'s device work per decode step by name,
+what runs between the graphs' replays included, and its busy time (``decode_table``).
 
     python -m experiments.bench_step --report results/step/rope_store/*/step_*.csv   # a table, no GPU
 
@@ -87,12 +89,12 @@ def measure(path, context: int, steps: int, device: str, profile: bool = False, 
             graph.replay()
         sync_device(model.device)
         df["gpu"] = (time.perf_counter() - t0) / steps
-    fresh = make_cache(cfg.cache, cfg.arena, model, len(prompt) + steps + 1, cfg.prefill_chunk)
-    g = generate(step, fresh, prompt, steps + 1, sampler, prefill_chunk=cfg.prefill_chunk)
-    df["generate_s"] = g.stats.decode_s / steps
+    run = lambda n: generate(step, make_cache(cfg.cache, cfg.arena, model, len(prompt) + n + 1, cfg.prefill_chunk),
+                             prompt, n + 1, sampler, prefill_chunk=cfg.prefill_chunk)
+    df["generate_s"] = run(steps).stats.decode_s / steps
     if profile and isinstance(step, GraphedModel):
-        return df, kernel_table(graph, steps)
-    return df, None
+        return df, kernel_table(graph, steps), decode_table(run, steps)
+    return df, None, None
 
 
 def kernel_table(graph, replays: int) -> pd.DataFrame:
@@ -106,6 +108,33 @@ def kernel_table(graph, replays: int) -> pd.DataFrame:
     rows = [{"kernel": e.key, "us_per_step": e.device_time_total / replays, "calls_per_step": e.count / replays}
             for e in prof.key_averages() if e.device_time_total > 0]
     return pd.DataFrame(rows).sort_values("us_per_step", ascending=False)
+
+
+def decode_table(run, steps: int) -> pd.DataFrame:
+    """The device's work per ``generate()`` decode step by name (kernels, copies; the graph's kernels
+    and what runs between replays), and ``(busy)``: the union of its intervals. Two profiled runs,
+    of ``steps`` and of 1 decode step, whose difference over ``steps - 1`` leaves the decode's steps
+    alone (the prompt, the warm-up and the first step are in both). The step's wall time minus
+    ``(busy)`` is the device idle between steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def totals(n: int) -> pd.Series:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(n)
+        ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+        t = pd.Series({e.name: 0.0 for e in ev})
+        busy, end = 0.0, float("-inf")
+        for e in ev:
+            t[e.name] += e.time_range.elapsed_us()
+            busy += max(0.0, e.time_range.end - max(e.time_range.start, end))
+            end = max(end, e.time_range.end)
+        t["(busy)"] = busy
+        return t
+
+    per_step = totals(steps).sub(totals(1), fill_value=0.0) / (steps - 1)
+    out = per_step.rename("us_per_step").rename_axis("name").reset_index()
+    return out.sort_values("us_per_step", ascending=False)
 
 
 def report(paths: list[str]) -> pd.DataFrame:
@@ -162,7 +191,7 @@ def main(argv=None) -> None:
         return
     if args.steps < 2:
         raise SystemExit(f"--steps must be >= 2 (got {args.steps}): the first step is not counted")
-    df, kernels = measure(resolve_model(args.model), args.context, args.steps, args.device, args.profile, args.weights,
+    df, kernels, decode = measure(resolve_model(args.model), args.context, args.steps, args.device, args.profile, args.weights,
                           args.gemv)
     meta = dict(model=args.model, weights=args.weights, gemv=args.gemv, context=args.context, **provenance(),
                 command=" ".join(["python"] + sys.argv))  # every CSV names what produced it
@@ -185,6 +214,14 @@ def main(argv=None) -> None:
               f"launches), the top 25:")
         print(kernels.head(25).to_string(index=False, float_format=lambda v: f"{v:.1f}"))
         print(f"wrote {kname}")
+        dname = out / f"decode_{Path(args.model).name}_{args.context}{tag}.csv"
+        decode.assign(**meta).to_csv(dname, index=False)
+        busy = decode.set_index("name").us_per_step["(busy)"]
+        print(f"generate()'s device per decode step: busy {busy:.0f} us of {1e6 * med['generate_s']:.0f}; "
+              f"outside the step's graph, by name:")
+        inside = set(kernels.kernel)
+        print(decode[~decode.name.isin(inside)].head(15).to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+        print(f"wrote {dname}")
 
 
 if __name__ == "__main__":
