@@ -35,16 +35,18 @@ class Copier:
         copy_rows(dst, src, self.stream)
         self.ready[half].record(self.stream)
 
-    def write_back(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Arena rows -> a strided host view (one page of every layer), after the compute
-        stream's writes to them; asynchronous (one 2-D copy), so the host does not wait for
-        the step. The source is the arena itself: nothing is freed under the copy."""
+    def write_back(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Arena rows -> strided host views, each (dst, src) one 2-D copy, after the compute
+        stream's writes to them; asynchronous, so the host does not wait for the step. The
+        source is the arena itself: nothing is freed under the copies."""
         if not self.cuda:
             with self.clock.timing():
-                dst.copy_(src)
+                for dst, src in pairs:
+                    dst.copy_(src)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.index))
-        copy_rows(dst, src, self.stream)
+        for dst, src in pairs:
+            copy_rows(dst, src, self.stream)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A strided host view -> arena rows, on the compute stream (after ``wait``: the host
