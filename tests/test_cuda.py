@@ -489,15 +489,19 @@ def test_a_pinned_drafts_buffers_and_graphs_live_in_the_arena(tmp_path):
 
 
 def host_matches_device(cache, tail: bool = False) -> int:
-    """Committed pages whose host copy differs from the device copy (any layer, K or V); with
-    ``tail`` the partial last page too (whole: valid once nothing wrote it after its commit)."""
+    """Committed pages whose host copy differs from the device copy in a committed row (any layer,
+    K or V); with ``tail`` the partial last page's committed rows too (the rows past the length
+    are never written back)."""
+    from kernels.formats import page_to_ggml
+
     torch.cuda.synchronize()
     n, bad = -(-cache.length // 256) if tail else cache.length // 256, 0  # else rows past the length may be stale
     for p, j in cache.slot.items():
         if p < n:
+            rows = min(cache.length - 256 * p, 256)
             idx = torch.tensor([cache._pool_slot(l, j) for l in range(cache.n_layers)], device="cuda")
-            for host, space in ((cache.host.k, cache.kspace), (cache.host.v, cache.vspace)):
-                bad += int((space[idx].cpu() != host[:, p]).any())
+            for host, space, fmt in ((cache.host.k, cache.kspace, cache.k_fmt), (cache.host.v, cache.vspace, cache.v_fmt)):
+                bad += int((page_to_ggml(space[idx].cpu(), fmt)[:, :rows] != page_to_ggml(host[:, p], fmt)[:, :rows]).any())
     return bad
 
 

@@ -90,7 +90,8 @@ class GraphedModel:
         pos = cache.begin(1)
         if token is not None and token.data_ptr() != self.feed.data_ptr():
             self.feed.copy_(token.view(1))
-        return self._replay((1, False, "greedy"), pos, cache)
+        self._replay((1, False, "greedy"), pos, cache)
+        return self.feed
 
     def _replay(self, kind: tuple, pos: torch.Tensor, cache):
         """Replay the graph of ``kind`` (n, all_logits, hidden or "greedy") at the cache's plan, after
@@ -152,9 +153,9 @@ class GraphedModel:
     def _capture(self, n, all_logits, hidden, pos, cache, rows, plan) -> Captured:
         if hidden == "greedy":
             def body():  # the step reads the feed and writes its argmax there: chained replays decode
-                logits = self.model.body(self.feed, pos, cache)
-                self.feed.copy_(logits[-1].argmax(-1, keepdim=True))
-                return self.feed
+                token = self.model.body(self.feed, pos, cache)[-1].argmax(-1, keepdim=True)
+                self.feed.copy_(token)
+                return token  # (the graph's own buffer, in its pool or the cache's slab)
             saved = self.feed.clone()  # the capture's eager run writes the feed: the step's token goes back
         else:
             body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)
