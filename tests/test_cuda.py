@@ -678,7 +678,8 @@ def test_decode_buffers_and_captured_graphs_live_in_the_arena(tmp_path):
     torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info()[0]
     cache = new()
-    generate(step, cache, toks, 40, Sampler(SamplingParams(), "cuda"), prefill_chunk=t.CHUNK)
+    # the logits-returning steps (kept logits; greedy steps without them return the GraphedModel's feed)
+    generate(step, cache, toks, 40, Sampler(SamplingParams(), "cuda"), prefill_chunk=t.CHUNK, keep_logits=True)
     torch.cuda.synchronize()
     added = free - torch.cuda.mem_get_info()[0]
     lo, hi = cache.arena.buf.data_ptr(), cache.arena.buf.data_ptr() + cache.layout.slab

@@ -125,7 +125,8 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
     kept: list[torch.Tensor] = []
     records: list[StepRecord] = []
     stopped = None
-    readback = Readback(dev, (), torch.long)
+    # token i's copy to the host: two buffers, since token i + 1's copy may start before token i is read
+    readbacks = [Readback(dev, (), torch.long), Readback(dev, (), torch.long)]
 
     last = t1  # when the previous step was queued
 
@@ -134,10 +135,15 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
             kept.append(logits.clone())
         return sampler(logits)  # on the device
 
-    def step(tok: torch.Tensor) -> torch.Tensor:
-        """The next token after ``tok``, on the device (queued, not read)."""
+    def step(tok: torch.Tensor, readback: Readback) -> torch.Tensor:
+        """The next token after ``tok``, on the device (queued, not read); its copy to the host
+        started on ``readback``."""
         nonlocal last
-        nxt = model.next_token(cache, tok) if fused else sample(model(tok.view(1), cache)[-1])
+        if fused:  # the copy starts before the step's write-back, which it would otherwise wait behind
+            nxt = model.next_token(cache, tok, readback)
+        else:
+            nxt = sample(model(tok.view(1), cache)[-1])
+            readback.start(nxt.view(()))
         now = time.perf_counter()
         # wall time since the previous step was queued: it includes the read-back of the token in
         # between, so with the host a step ahead it is, in steady state, the device's step time
@@ -147,12 +153,12 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
         return nxt
 
     tok = sample(logits)
+    readbacks[0].start(tok.view(()))
     while len(out) < max_new_tokens:  # (0: no token at all)
-        readback.start(tok.view(()))  # before a queued step rewrites ``tok`` (next_token's buffer)
-        queued = ahead and len(out) + 1 < max_new_tokens  # a next step is needed unless tok stops
+        queued = ahead and len(out) + 1 < max_new_tokens  # a next step is needed unless this token stops
         if queued:
-            tok = step(tok)
-        t = int(readback.read())
+            tok = step(tok, readbacks[(len(out) + 1) % 2])
+        t = int(readbacks[len(out) % 2].read())
         out.append(t)
         if on_token is not None:
             on_token(t)
@@ -166,7 +172,7 @@ def generate(model, cache, prompt: list[int], max_new_tokens: int, sampler: Samp
                 cache.truncate(cache.length - 1)
             break
         if not queued:
-            tok = step(tok)
+            tok = step(tok, readbacks[len(out) % 2])
     sync_device(dev)
     t2 = time.perf_counter()
     return Generation(out, GenerationStats(len(prompt), len(out), prefill_s, t2 - t1, warm_s), stopped, kept,

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.argmax import argmax, scratch_for
 from kernels.decode_attention import MAX_N_Q
 from kvstream.cache.streams import side_stream
 from kvstream.engine.graph_copies import CopyNodes, Unbound
+from kvstream.engine.readback import Readback
 
 
 @dataclass
@@ -55,6 +57,7 @@ class GraphedModel:
         self.model = model
         self.tokens = torch.zeros(max_width, dtype=torch.long, device=model.device)
         self.feed = torch.zeros(1, dtype=torch.long, device=model.device)  # next_token's token, in and out
+        self.scratch = scratch_for(model.device)  # its argmax's
         self.graphs: dict[tuple, Captured] = {}
         self.pool = torch.cuda.graph_pool_handle()  # for caches without a slab
         # warm-ups and captures run on one side stream, so a slab's segments serve both
@@ -79,24 +82,25 @@ class GraphedModel:
         # the graph's output buffers are rewritten by the next replay
         return tuple(t.clone() for t in out) if hidden else out.clone()
 
-    def next_token(self, cache, token: torch.Tensor | None = None) -> torch.Tensor:
+    def next_token(self, cache, token: torch.Tensor | None = None, readback: Readback | None = None) -> torch.Tensor:
         """A greedy decode step: ``token`` (int64 [1] on the device; None: the token this method
-        returned last) goes in, its argmax comes out, both in one graph: no logits leave it, no
-        eager argmax or copy runs between steps (``generate``'s greedy decode). Returns the graph's
-        token buffer [1], which the next call's replay rewrites (read it, or copy it, before).
-        The argmax is torch's on the logits ``__call__`` would return: the same token."""
+        returned last) goes in, its argmax (``kernels.argmax``, torch.argmax's answer) comes out,
+        both in one graph: no logits leave it, no eager kernel or copy runs between steps
+        (``generate``'s greedy decode). Returns the graph's token buffer [1], which the next
+        call's replay rewrites. ``readback`` is started on it right after the replay, before the
+        commit's write-back copies: behind them, the token's copy to the host waited for them."""
         if cache.recycles(1):
             raise ValueError("next_token needs a decode-phase cache with static step buffers")
         pos = cache.begin(1)
         if token is not None and token.data_ptr() != self.feed.data_ptr():
             self.feed.copy_(token.view(1))
-        self._replay((1, False, "greedy"), pos, cache)
+        self._replay((1, False, "greedy"), pos, cache, None if readback is None else lambda: readback.start(self.feed[0]))
         return self.feed
 
-    def _replay(self, kind: tuple, pos: torch.Tensor, cache):
+    def _replay(self, kind: tuple, pos: torch.Tensor, cache, after=None):
         """Replay the graph of ``kind`` (n, all_logits, hidden or "greedy") at the cache's plan, after
-        its ``begin``: captured on first use, its copies re-pointed on a plan change; then the commit.
-        Returns the graph's output buffer(s)."""
+        its ``begin``: captured on first use, its copies re-pointed on a plan change; then ``after()``
+        and the commit. Returns the graph's output buffer(s)."""
         # a new layout or another cache (not by id(): a new cache may reuse a freed one's id, and
         # replaying graphs captured on freed buffers is an illegal access): the old graphs are done
         if cache.layout_key() != self.layout or self._cache() is not cache:
@@ -128,6 +132,8 @@ class GraphedModel:
             cache.stats.plan_change = "capture"
             cache.stats.plan_s += time.perf_counter() - t0
         entry.graph.replay()
+        if after is not None:
+            after()
         cache.commit()
         return entry.out
 
@@ -153,9 +159,7 @@ class GraphedModel:
     def _capture(self, n, all_logits, hidden, pos, cache, rows, plan) -> Captured:
         if hidden == "greedy":
             def body():  # the step reads the feed and writes its argmax there: chained replays decode
-                token = self.model.body(self.feed, pos, cache)[-1].argmax(-1, keepdim=True)
-                self.feed.copy_(token)
-                return token  # (the graph's own buffer, in its pool or the cache's slab)
+                return argmax(self.model.body(self.feed, pos, cache)[-1], self.scratch, out=self.feed)
             saved = self.feed.clone()  # the capture's eager run writes the feed: the step's token goes back
         else:
             body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)
