@@ -55,7 +55,12 @@ class Q8:
         return Q8(self.q.index_select(1, rows), self.d.index_select(1, rows), self.int8)
 
     def embedding(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``tokens`` of W dequantized to ``dtype`` (exact in fp32, then one rounding)."""
+        """Rows ``tokens`` of W dequantized to ``dtype`` (exact in fp32, then one rounding): on CUDA in
+        one launch (``kernels/q8_rows.py``), else by torch (that kernel's reference)."""
+        if self.q.is_cuda:
+            from kernels.q8_rows import q8_rows
+
+            return q8_rows(tokens, self.q, self.d, dtype)
         return (self.q[:, tokens].float() * self.d[:, tokens].float()[..., None]).transpose(0, 1).reshape(
             tokens.shape[0], -1).to(dtype)
 
