@@ -13,8 +13,9 @@ not change between modes. Per forward pass of n new tokens at positions [L, L + 
    attention call over every page, exactly the resident-mode call. Several rounds: the
    kernel's partials per round, side by side in one buffer sized from shapes, merged. Prefill
    chunks (n > MAX_N_Q) gather dequantized pages and use SDPA.
-3. ``commit``: the written pages go back to the host store, which thus holds every committed
-   row; ``truncate`` is a shorter length (stale rows are never read).
+3. ``commit``: the written rows go back to the host store (every layer's at once), which thus
+   holds every committed row; ``truncate`` is a shorter length (stale rows are never read, nor
+   written back).
 
 The arena layout and its re-layouts live in ``paged_layout``, the static buffers that captured
 decode steps read in ``paged_staging``.

@@ -4,7 +4,7 @@ place (``graph_copies``) instead of capturing again (DESIGN.md: static shapes, g
 shapes, lengths in device tensors). The host part of a step (``cache.begin``: checks, residency
 plan, positions and slots written in place into the cache's static buffers; after a plan
 change, the copy of the first streamed round, which a step otherwise finds made by the step
-before) and of its end (``cache.commit``: the written pages back to the host store) run
+before) and of its end (``cache.commit``: the written rows back to the host store) run
 eagerly around the replay; everything between, streaming copies included, is the graph.
 
 A step reads the plan through device tensors written in place (page tables, round keys,
@@ -15,7 +15,8 @@ shape costs an update of its copy nodes. The graphs of one shape are kept (every
 new shape drops them, since their buffers share the cache's slab, sized for one shape's steps.
 A re-layout (phase switch, draft eject / re-enable) drops the graphs. A pinned draft's own
 graphs survive its eject and re-enable, which put its weights and KV back at the same addresses
-(``DraftModel.pin``, ``PagedCache.move_to``).
+(``DraftModel.pin``, ``PagedCache.move_to``). A greedy decode's step (``next_token``) ends with
+its argmax written into its own input, so its steps chain on the device.
 
 Eager and graphed steps run the same kernels on the same bytes in the same order, so their
 logits are bit-identical: tested on the H200 (tests/test_cuda.py) up to 1K tokens, after a
