@@ -1,5 +1,6 @@
 """The index of a vector's largest value, in one launch: a greedy decode's next token inside its
-captured step (torch's argmax over the 1.5B's 151936 logits took 8 us in one block, plus a copy).
+captured step (torch's argmax over the 1.5B's 151936 logits took 8 us in one block, plus a copy;
+this one 4.7 us: results/step/greedy).
 
 ``argmax(x)``: x fp32 [n] -> int64 [1], torch.argmax's answer: the first index of the largest
 value, any NaN counting as largest (the first NaN's index), -0.0 equal to +0.0. Each program
@@ -47,7 +48,8 @@ def scratch_for(device: torch.device | str) -> torch.Tensor:
 def argmax(x: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """x fp32 [n] (contiguous, n < 2**32) -> int64 [1]: ``torch.argmax(x)``. ``scratch``:
     ``scratch_for(x.device)``, as made between launches (each launch leaves it so); one launch at a
-    time per scratch. ``out``: an int64 [1] to write (else a new one). ``pdl``: launched as a programmatic dependent (``kernels/pdl.py``)."""
+    time per scratch. ``out``: an int64 [1] to write (else a new one). ``pdl``: launched as a
+    programmatic dependent (``kernels/pdl.py``)."""
     if x.dim() != 1 or x.dtype != torch.float32 or not x.is_contiguous() or not 0 < x.numel() < 2 ** 32:
         raise ValueError(f"argmax needs a contiguous fp32 [n], 0 < n < 2**32; got {tuple(x.shape)} {x.dtype} "
                          f"contiguous={x.is_contiguous()}")

@@ -34,7 +34,7 @@ def q8_rows(tokens: torch.Tensor, q: torch.Tensor, d: torch.Tensor, dtype: torch
     if q.dim() != 3 or q.shape[2] != 32 or q.dtype != torch.int8 or d.shape != q.shape[:2] or d.dtype != torch.float16:
         raise ValueError(f"a q8_0 weight is int8 [K/32, N, 32] and fp16 [K/32, N], got {tuple(q.shape)} {q.dtype} "
                          f"and {tuple(d.shape)} {d.dtype}")
-    if not (q.is_contiguous() and d.is_contiguous() and tokens.device == q.device == d.device):
+    if not (tokens.is_contiguous() and q.is_contiguous() and d.is_contiguous() and tokens.device == q.device == d.device):
         raise ValueError("tokens, q and d must be contiguous and on one device")
     nb, n_cols = q.shape[0], q.shape[1]
     out = torch.empty((tokens.shape[0], nb * 32), dtype=dtype, device=q.device)

@@ -60,7 +60,7 @@ class Q8:
         if self.q.is_cuda:
             from kernels.q8_rows import q8_rows
 
-            return q8_rows(tokens, self.q, self.d, dtype)
+            return q8_rows(tokens.long().contiguous(), self.q, self.d, dtype)  # (no copies when they are already)
         return (self.q[:, tokens].float() * self.d[:, tokens].float()[..., None]).transpose(0, 1).reshape(
             tokens.shape[0], -1).to(dtype)
 

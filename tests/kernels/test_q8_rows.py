@@ -26,3 +26,5 @@ def test_q8_rows_rejects_bad_input(device):
         q8_rows(t.int(), q, d, torch.float32)
     with pytest.raises(ValueError, match=r"int8 \[K/32, N, 32\] and fp16 \[K/32, N\], got \(2, 8, 32\) torch.int8 and \(2, 7\)"):
         q8_rows(t, q, d[:, :7].contiguous(), torch.float32)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        q8_rows(torch.zeros(4, dtype=torch.int64, device=device)[::2], q, d, torch.float32)
