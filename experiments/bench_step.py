@@ -218,7 +218,7 @@ def main(argv=None) -> None:
         decode.assign(**meta).to_csv(dname, index=False)
         busy = decode.set_index("name").us_per_step["(busy)"]
         print(f"generate()'s device per decode step: busy {busy:.0f} us of {1e6 * med['generate_s']:.0f}; "
-              f"outside the step's graph, by name:")
+              f"not among the captured logits step's kernels (a greedy step's argmax is), by name:")
         inside = set(kernels.kernel)
         print(decode[~decode.name.isin(inside)].head(15).to_string(index=False, float_format=lambda v: f"{v:.1f}"))
         print(f"wrote {dname}")
