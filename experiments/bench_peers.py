@@ -10,7 +10,9 @@ Arms: ``kvstream-resident`` (every page in the arena; CUDA-graph decode steps on
 ``kvstream-resident-eager`` (the same, ``engine.cuda_graphs=false``: the graph speed-up),
 ``kvstream-stream`` (stream mode with an arena that holds everything: streaming overhead when
 nothing streams), ``kvstream-gemv`` (resident with ``model.gemv``: decode rows by kernels/gemv.py
-and gemv_mma.py, PDL launches; on CPU the resident arm's path), ``llama.cpp``,
+and gemv_mma.py, PDL launches; on CPU the resident arm's path), ``kvstream-q8`` (that, with
+``model.weights=q8_0_int8``: the matrices in q8_0 blocks, as the GGUF's q8_0 peers read them;
+the fastest decode), ``llama.cpp``,
 ``transformers-static``. An arm whose package is missing is reported as skipped. Writes
 ``<out>/<device>_<model>.csv`` and a PNG; decode tok/s counts the tokens after the first (the
 first comes from the prefill's logits) over the time after the prefill. ``--profile`` adds ``<out>/profile_<device>_<model>_<context>.csv``: the CUDA time of
@@ -44,8 +46,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kvstream_arm(path, prompt, new, device, mode, graphs=True, gemv=False):
-    cfg = kvstream_config(device, mode, new, graphs, gemv=gemv)
+def kvstream_arm(path, prompt, new, device, mode, graphs=True, gemv=False, weights="dense"):
+    cfg = kvstream_config(device, mode, new, graphs, weights=weights, gemv=gemv)
     model, tok = kvstream_model(path, cfg)
     run_decode(replace(cfg, max_new_tokens=8), model, tok, prompt[:512])  # warm-up (compiles, captures)
     g = run_decode(cfg, model, tok, prompt).generation
@@ -133,6 +135,7 @@ ARMS = {
     "kvstream-resident-eager": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "resident", graphs=False),
     "kvstream-stream": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "stream"),
     "kvstream-gemv": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "resident", gemv=True),
+    "kvstream-q8": lambda p, pr, n, d: kvstream_arm(p, pr, n, d, "resident", gemv=True, weights="q8_0_int8"),
     "llama.cpp": llama_cpp_arm,
     "transformers-static": transformers_arm,
 }

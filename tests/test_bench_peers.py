@@ -4,6 +4,7 @@ row; a step split into its host phases."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -33,6 +34,20 @@ def test_rows_are_kept_when_a_peer_arm_crashes(tmp_path, monkeypatch):
                                                                   rel=1e-12)  # float division
     assert df.kvstream_resident_over_arm.isna().iloc[1]
     assert (tmp_path / "out" / "cpu_tiny.gguf.png").exists()
+
+
+def test_the_q8_arm_decodes_with_q8_0_int8_weights(tmp_path, monkeypatch):
+    """``kvstream-q8``: model.weights=q8_0_int8 with model.gemv (on the CPU their reference path)."""
+    from experiments.common import _BY_PATH
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", SPEC)
+    monkeypatch.setattr(sys, "argv", ["bench_peers", "--model", str(model), "--contexts", "300", "--new-tokens", "3",
+                                      "--arms", "kvstream-resident", "kvstream-q8", "--out", str(tmp_path / "out")])
+    bench_peers.main()
+    df = pd.read_csv(tmp_path / "out" / "cpu_tiny.gguf.csv")
+    assert list(df.arm) == ["kvstream-resident", "kvstream-q8"] and df.decode_tok_s.gt(0).all()
+    assert "error" not in df or df.error.isna().all()
+    assert any(Path(k[0]) == model and k[1:] == ("q8_0_int8", True) for k in _BY_PATH)  # the arm's own load
 
 
 def test_bench_step_splits_a_step_into_host_phases(tmp_path, capsys):
