@@ -312,6 +312,26 @@ def test_host_store_holds_every_committed_row(model, tokens):
             assert torch.equal(committed(host[layer, :n], L, fmt), committed(space[table], L, fmt))
 
 
+@pytest.mark.parametrize("types", [("q8_0", "q4_0"), ("f16", "q8_0")])
+def test_row_copies_are_the_copies_of_the_row_views(model, tokens, types):
+    """The commit's copy descriptors on CUDA (``_row_copies``, computed from addresses) are exactly
+    ``cudart.rows_of`` of the views the CPU path copies (``_page_rows``), for whole pages, single
+    rows and ranges; and one layer's copies have pitches equal to their width (a 1-row copy)."""
+    from kvstream.cache.cudart import rows_of
+
+    # streaming (ring slots before the pool's) for the default pair, resident for f16 pages
+    cache = paged(model, "stream", mib=small_arena_mib(model, 4, 8), ring=8) if types == ("q8_0", "q4_0") \
+        else paged(model, "resident", types=types)
+    run(model, cache, tokens, decode=3)
+    for p in cache.slot:
+        for lo, hi in [(0, 256), (0, 1), (17, 18), (5, 200), (255, 256)]:
+            assert cache._row_copies(p, lo, hi) == [rows_of(h, s) for h, s in cache._page_rows(p, lo, hi)], (p, lo, hi)
+    one = cache._row_copies(next(iter(cache.slot)), 3, 4)
+    assert all(c[5] == SPEC.n_layers > 1 for c in one)
+    cache.n_layers = 1  # (the descriptors' rows = layers; a one-layer cache, an MTP head's)
+    assert all(c[1] == c[3] == c[4] and c[5] == 1 for c in cache._row_copies(next(iter(cache.slot)), 3, 4))
+
+
 def test_rollback_then_decode_equals_a_fresh_run(model, tokens):
     BACK = 640  # a prefill-chunk boundary (the fresh run computes the same rows in the same batches)
     cache = paged(model, "stream", mib=small_arena_mib(model, 4, 4), ring=4)

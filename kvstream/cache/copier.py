@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstream.cache.cudart import copy_rows
+from kvstream.cache.cudart import copy_rows, memcpy_2d
 from kvstream.cache.streams import copy_stream
 from kvstream.cache.wait_clock import WaitClock
 
@@ -47,6 +47,12 @@ class Copier:
         self.stream.wait_stream(torch.cuda.current_stream(self.index))
         for dst, src in pairs:
             copy_rows(dst, src, self.stream)
+
+    def write_back_rows(self, copies: list[tuple[int, int, int, int, int, int]]) -> None:
+        """``write_back`` of copies given as ``cudart.rows_of`` tuples (CUDA only): no views to make."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.index))
+        for rows in copies:
+            memcpy_2d(rows, self.stream)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A strided host view -> arena rows, on the compute stream (after ``wait``: the host

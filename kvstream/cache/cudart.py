@@ -86,10 +86,16 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
                          f"and {tuple(src.shape)} {src.dtype}")
     if dst.stride(1) != 1 or src.stride(1) != 1:
         raise ValueError(f"copy_rows needs contiguous rows, got strides {dst.stride()} and {src.stride()}")
-    d, dpitch, s, spitch, width, rows = rows_of(dst, src)
-    err = _runtime().cudaMemcpy2DAsync(d, dpitch, s, spitch, width, rows, _DEFAULT, stream.cuda_stream)
+    memcpy_2d(rows_of(dst, src), stream)
+
+
+def memcpy_2d(rows: tuple[int, int, int, int, int, int], stream: torch.cuda.Stream) -> None:
+    """One ``cudaMemcpy2DAsync`` of ``rows`` = (dst, dst pitch, src, src pitch, width, rows) on
+    ``stream``: ``copy_rows`` without the views (``PagedCache._row_copies`` computes them)."""
+    d, dpitch, s, spitch, width, n = rows
+    err = _runtime().cudaMemcpy2DAsync(d, dpitch, s, spitch, width, n, _DEFAULT, stream.cuda_stream)
     if err:
-        raise RuntimeError(f"cudaMemcpy2DAsync of {rows} rows x {width} bytes failed with CUDA error {err}")
+        raise RuntimeError(f"cudaMemcpy2DAsync of {n} rows x {width} bytes failed with CUDA error {err}")
 
 
 def device_malloc(nbytes: int) -> int:

@@ -234,10 +234,16 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         and section: a decode step moves its row, not its page, whose 3 MB a step on the 1.5B
         held the copy engine long enough to delay the next step's token readback)."""
         lo, hi = self.length, self.length + self._n
-        pairs = [pair for p in range(lo // PAGE_TOKENS, -(-hi // PAGE_TOKENS))  # every written page is resident (begin)
-                 for pair in self._page_rows(p, max(lo - p * PAGE_TOKENS, 0), min(hi - p * PAGE_TOKENS, PAGE_TOKENS))]
-        self.copier.write_back(pairs)
-        self.stats.d2h_bytes += sum(rows.numel() for _, rows in pairs)
+        spans = [(p, max(lo - p * PAGE_TOKENS, 0), min(hi - p * PAGE_TOKENS, PAGE_TOKENS))
+                 for p in range(lo // PAGE_TOKENS, -(-hi // PAGE_TOKENS))]  # every written page is resident (begin)
+        if self.copier.cuda:
+            copies = [c for span in spans for c in self._row_copies(*span)]
+            self.copier.write_back_rows(copies)
+            self.stats.d2h_bytes += sum(c[4] * c[5] for c in copies)
+        else:
+            pairs = [pair for span in spans for pair in self._page_rows(*span)]
+            self.copier.write_back(pairs)
+            self.stats.d2h_bytes += sum(rows.numel() for _, rows in pairs)
         self._primed = self.plan_key() if self._wrap else None  # this step's end copied its first round
         self.clock.close_pass(self.stats)
         super().commit()
