@@ -36,20 +36,16 @@ class Copier:
         self.ready[half].record(self.stream)
 
     def write_back(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Arena rows -> strided host views, each (dst, src) one 2-D copy, after the compute
-        stream's writes to them; asynchronous, so the host does not wait for the step. The
-        source is the arena itself: nothing is freed under the copies."""
-        if not self.cuda:
-            with self.clock.timing():
-                for dst, src in pairs:
-                    dst.copy_(src)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.index))
-        for dst, src in pairs:
-            copy_rows(dst, src, self.stream)
+        """Arena rows -> strided host views, each (dst, src) a plain copy (off CUDA; on CUDA
+        ``write_back_rows``)."""
+        with self.clock.timing():
+            for dst, src in pairs:
+                dst.copy_(src)
 
     def write_back_rows(self, copies: list[tuple[int, int, int, int, int, int]]) -> None:
-        """``write_back`` of copies given as ``cudart.rows_of`` tuples (CUDA only): no views to make."""
+        """Arena rows -> strided host views, each a ``cudart.rows_of`` tuple (one 2-D copy, no views
+        to make), after the compute stream's writes to them; asynchronous, so the host does not wait
+        for the step. The source is the arena itself: nothing is freed under the copies."""
         self.stream.wait_stream(torch.cuda.current_stream(self.index))
         for rows in copies:
             memcpy_2d(rows, self.stream)
