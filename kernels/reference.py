@@ -322,3 +322,16 @@ def q8_rows_dense(xq: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``q8_rows``' blocks -> their fp32 values [n, K] (``q8_round`` of the rows they were made from)."""
     q, d = xq
     return (q.float().view(q.shape[0], -1, BLOCK) * d.float()[..., None]).view(q.shape)
+
+
+# ---- step staging ----------------------------------------------------------------------
+
+def stage_rows(pos: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor,
+               base: torch.Tensor, offset: int, n: int) -> None:
+    """``kernels.stage.stage_rows``: rows [base + offset, + n)'s positions, every layer's slots
+    (a page index past the table clamped to its last column) and the lengths after each row."""
+    p = base.view(1) + offset + torch.arange(n, device=pos.device)
+    pos[:n] = p
+    page = (p // PAGE_TOKENS).clamp(max=tables.shape[1] - 1)
+    slots[:, :n] = tables[:, page].long() * PAGE_TOKENS + p % PAGE_TOKENS
+    lens[:n] = p + 1

@@ -134,8 +134,13 @@ def test_greedy_generate_takes_its_argmax_in_the_graph_and_equals_eager(tmp_path
     eager = generate(m, new(), prompt, 400, greedy, prefill_chunk=t.CHUNK)  # to 1900: pages open at 1536 and 1792
     graphed = GraphedModel(m)
     cache = new()  # (kept: a cache that goes drops the graphs captured into it)
+    staged, stage = [], cache._stage_step
+    cache._stage_step = lambda n: staged.append(cache.length) or stage(n)  # the host's stagings of decode steps
     assert generate(graphed, cache, prompt, 400, greedy, prefill_chunk=t.CHUNK).tokens == eager.tokens
     assert [k[3] for k in graphed.graphs] == ["greedy"]  # no logits-returning step ran
+    # each graph stages its successor: the host stages the first steps (the warm-up's included) and the
+    # steps at the two page openings (1536, 1792), whose plans may point the new page elsewhere
+    assert not {n for n in staged if n > 1500 + 2} - {1536, 1792}, staged
     if mode == "resident":  # nothing streamed: the tables are read in place
         assert graphed.captures == 1
     # the same graphs' steps through the logits path (kept logits): the same tokens too

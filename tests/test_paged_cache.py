@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -647,13 +648,13 @@ def test_a_pass_staged_on_the_device_is_used_once_its_length_is_claimed(model, t
         c._n = 0  # nothing to commit
         return out
 
-    def on_device(length, most, n, claim=None):
-        c.stage_ahead_on_device(torch.tensor([length]), most, n)
+    def on_device(length, most, n, claim=None, offset=0):
+        c.stage_ahead_on_device(torch.tensor([length - offset]), most, n, offset=offset)
         if claim is not None:
             c.claim_staged(claim)
 
-    for length, most, m, n in [(240, 243, 3, 8), (247, 250, 2, 6), (250, 250, 1, 1)]:
-        on_device(length, most, n, claim=length)
+    for length, most, m, n, offset in [(240, 243, 3, 8, 0), (247, 250, 2, 6, 245), (250, 250, 1, 1, 0)]:
+        on_device(length, most, n, claim=length, offset=offset)  # (a draft: the accepted count + the rows before)
         got = begin(length, m)
         fresh = begin(length, m)
         assert got[4] == 0 and fresh[4] == 1, (length, m, n)
@@ -672,3 +673,31 @@ def test_a_pass_staged_on_the_device_is_used_once_its_length_is_claimed(model, t
     assert begin(249, 8)[4] == 1  # page 1 opens in the begin: staged anew
     on_device(240, c.max_tokens - 2, 4, claim=240)  # rows that might pass the end: not staged at all
     assert begin(240, 3)[4] == 1
+
+
+@pytest.mark.parametrize("mode", ["resident", "stream"])
+@torch.inference_mode()
+def test_a_step_that_stages_its_successor_leaves_the_host_nothing_to_stage(model, mode):
+    """A one-row pass ending with ``stage_next_on_device`` (a greedy step's graph), then its commit and
+    ``claim_next``: the next ``begin(1)`` stages nothing, and its positions, slots and lengths are the
+    host tables' (checked against numpy, not against ``_stage_step``), except at a page opening, where
+    the begin re-plans and stages itself; a rollback makes the next begin stage too."""
+    c = paged(model, mode, **({} if mode == "resident" else {"mib": small_arena_mib(model, 4, 4), "ring": 4}))
+    prefill(model, c, torch.zeros(1000, dtype=torch.long).tolist(), CHUNK)
+    c.set_phase("decode")
+    calls, stage_step = [], c._stage_step
+    c._stage_step = lambda n: (calls.append(c.length), stage_step(n))[1]
+    for _ in range(300):  # 1000 -> 1300: pages open at 1024 and 1280
+        c.begin(1)
+        p = c.length
+        want = np.concatenate([[p], c.tables_host.numpy()[:, p // PAGE_TOKENS] * PAGE_TOKENS + p % PAGE_TOKENS, [p + 1]])
+        assert c._pos[:1].tolist() + c._slots[:, 0].tolist() + c._lens[:1].tolist() == want.tolist(), p
+        assert c.pos.tolist() == [p] and int(c.seq_len) == p + 1
+        c.stage_next_on_device()
+        c.commit()
+        c.claim_next()
+    assert calls == [1000, 1024, 1280]
+    assert c.stats.streamed_pages == (0 if mode == "resident" else 2)  # (the stream case streams)
+    c.truncate(1290)
+    c.begin(1)
+    assert calls[-1] == 1290

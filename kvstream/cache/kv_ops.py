@@ -29,9 +29,10 @@ class KVOps:
         self.triton = device.type == "cuda"
         self.pdl = pdl and self.triton
         if self.triton:
-            from kernels import decode_attention, gather, rope_store, store
+            from kernels import decode_attention, gather, rope_store, stage, store
 
             self._store, self._gather, self._rope_store = store.store, gather.gather, rope_store.rope_store
+            self._stage_rows = stage.stage_rows
             self._attn, self._round_state = decode_attention.decode_attention, decode_attention.round_state
 
     def store(self, pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, fmt: PageFormat) -> None:
@@ -45,6 +46,10 @@ class KVOps:
             return self._rope_store(qk, v, rope.pos, rope.inv_freq, k_pool, v_pool, slots, k_fmt, v_fmt, rope.scale,
                                     pdl=self.pdl)
         return reference.rope_store(qk, v, *rope.cos_sin, k_pool, v_pool, slots, k_fmt, v_fmt)
+
+    def stage_rows(self, pos, slots, lens, tables, base: torch.Tensor, offset: int, n: int) -> None:
+        """A pass's positions, slots and lengths from a start on the device (``kernels.stage``)."""
+        (self._stage_rows if self.triton else reference.stage_rows)(pos, slots, lens, tables, base, offset, n)
 
     def gather(self, pool, page_ids, n_tokens: int, fmt: PageFormat, dtype) -> torch.Tensor:
         return (self._gather if self.triton else reference.gather)(pool, page_ids, n_tokens, fmt, dtype)

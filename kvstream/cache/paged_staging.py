@@ -4,10 +4,10 @@ One device tensor holds a step's positions, every layer's slots and the length a
 written in place by ``begin`` with one host -> device copy from a pinned staging buffer; a
 captured step reads it, so its graph stays valid while positions and slots change. A drafter
 may stage its next pass early (``stage_ahead``; ``stage_ahead_on_device`` where only the device
-knows its next length yet), while the device still works on a round. The
-page tables and round keys of a new plan reach the device the same way (``PinnedUpload``): a
-copy from pageable memory would make the host wait for the device's queued steps at every page
-opening."""
+knows its next length yet), while the device still works on a round; a greedy step stages its
+successor inside its own graph (``stage_next_on_device``). The page tables and round keys of a
+new plan reach the device the same way (``PinnedUpload``): a copy from pageable memory would
+make the host wait for the device's queued steps at every page opening."""
 
 from __future__ import annotations
 
@@ -72,23 +72,40 @@ class StepStaging:
             self._stage_step(n)
             self._ahead, self._device_ahead = (self.length, n, self._tables_version), None
 
-    def stage_ahead_on_device(self, length: torch.Tensor, most: int, n: int) -> None:
-        """``stage_ahead`` at a length the device holds (int64 [1], at most ``most``) and the host does
-        not know yet (a draft model's next length hangs on the verify's accepted count): the positions,
-        slots and lengths from the device's page tables by a few device ops, queued behind the round.
-        A ``begin`` uses them once ``claim_staged`` has told the length, with no plan since."""
+    def stage_ahead_on_device(self, length: torch.Tensor, most: int, n: int, offset: int = 0) -> None:
+        """``stage_ahead`` at a length the device holds (``length`` + ``offset``; ``length`` int64 [1],
+        the sum at most ``most``) and the host does not know yet (a draft model's next length hangs on
+        the verify's accepted count): the positions, slots and lengths from the device's page tables
+        by one launch (``kernels.stage``), queued behind the round. A ``begin`` uses them once
+        ``claim_staged`` has told the length, with no plan since."""
         self._ahead = self._device_ahead = None
-        if 0 < n <= MAX_N_Q and most + n <= self.max_tokens:  # (so no position indexes past the tables)
-            pos = length + torch.arange(n, device=self.device)
-            self._pos[:n] = pos
-            self._slots[:, :n] = self.tables[:, pos // PAGE_TOKENS].long() * PAGE_TOKENS + pos % PAGE_TOKENS
-            self._lens[:n] = pos + 1
+        if 0 < n <= MAX_N_Q and most + n <= self.max_tokens:
+            self.ops.stage_rows(self._pos, self._slots, self._lens, self.tables, length, offset, n)
             self._device_ahead = (n, self._tables_version)
 
     def claim_staged(self, length: int) -> None:
         """The length ``stage_ahead_on_device`` staged at, now read back: a ``begin`` there stages nothing."""
         if self._device_ahead is not None:
             self._ahead, self._device_ahead = (length, *self._device_ahead), None
+
+    def stage_next_on_device(self) -> None:
+        """Device work at the end of a one-row decode pass (a greedy step's graph,
+        ``GraphedModel.next_token``): the next one-row pass, at the length after this one, staged
+        from the device's page tables, so its replay needs no copy from the host first. The host
+        takes it with ``claim_next`` after the commit."""
+        self.ops.stage_rows(self._pos, self._slots, self._lens, self.tables, self._lens[:1], 0, 1)
+
+    def claim_next(self) -> None:
+        """After a one-row pass that ran ``stage_next_on_device``, and its commit: a ``begin(1)`` at
+        the new length with no plan since (a page opening re-plans, and stages again) stages nothing."""
+        if self.length + 1 <= self.max_tokens:
+            self._ahead, self._device_ahead = (self.length, 1, self._tables_version), None
+
+    @property
+    def step_buffer(self) -> torch.Tensor:
+        """The static buffer (positions, slots, lengths) captured steps read: a capture's eager run
+        that stages ahead into it must put it back."""
+        return self._step
 
     def _staged(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``begin``'s staging of a decode pass of ``n`` rows: what ``stage_ahead`` left, if it holds."""

@@ -16,7 +16,8 @@ new shape drops them, since their buffers share the cache's slab, sized for one 
 A re-layout (phase switch, draft eject / re-enable) drops the graphs. A pinned draft's own
 graphs survive its eject and re-enable, which put its weights and KV back at the same addresses
 (``DraftModel.pin``, ``PagedCache.move_to``). A greedy decode's step (``next_token``) ends with
-its argmax written into its own input, so its steps chain on the device.
+its argmax written into its own input and the next step's positions and slots into the cache's
+step buffers, so its steps chain on the device.
 
 Eager and graphed steps run the same kernels on the same bytes in the same order, so their
 logits are bit-identical: tested on the H200 (tests/test_cuda.py) up to 1K tokens, after a
@@ -89,13 +90,16 @@ class GraphedModel:
         both in one graph: no logits leave it, no eager kernel or copy runs between steps
         (``generate``'s greedy decode). Returns the graph's token buffer [1], which the next
         call's replay rewrites. ``readback`` is started on it right after the replay, before the
-        commit's write-back copies: behind them, the token's copy to the host waited for them."""
+        commit's write-back copies: behind them, the token's copy to the host waited for them. The
+        graph also stages the next step (``stage_next_on_device``): its ``begin`` copies nothing
+        from the host unless a page opening re-plans."""
         if cache.recycles(1):
             raise ValueError("next_token needs a decode-phase cache with static step buffers")
         pos = cache.begin(1)
         if token is not None and token.data_ptr() != self.feed.data_ptr():
             self.feed.copy_(token.view(1))
         self._replay((1, False, "greedy"), pos, cache, None if readback is None else lambda: readback.start(self.feed[0]))
+        cache.claim_next()  # the graph staged the next step's positions and slots
         return self.feed
 
     def _replay(self, kind: tuple, pos: torch.Tensor, cache, after=None):
@@ -160,14 +164,18 @@ class GraphedModel:
     def _capture(self, n, all_logits, hidden, pos, cache, rows, plan) -> Captured:
         if hidden == "greedy":
             def body():  # the step reads the feed and writes its argmax there: chained replays decode
-                return argmax(self.model.body(self.feed, pos, cache)[-1], self.scratch, out=self.feed)
-            saved = self.feed.clone()  # the capture's eager run writes the feed: the step's token goes back
+                token = argmax(self.model.body(self.feed, pos, cache)[-1], self.scratch, out=self.feed)
+                cache.stage_next_on_device()  # and stages the next step: no host copy before its replay
+                return token
+            # the capture's eager run writes the feed and stages the next step: the step's own go back
+            saved = [(t, t.clone()) for t in (self.feed, cache.step_buffer)]
         else:
             body = lambda: self.model.body(self.tokens[:n], pos, cache, all_logits, hidden)
         # keep_graph: its nodes stay readable, so the copies can be re-pointed
         graph, out = capture(body, cache, self.pool, self.stream, self.graphs, keep_graph=True)
         if hidden == "greedy":
-            self.feed.copy_(saved)
+            for t, s in saved:
+                t.copy_(s)
         self.captures += 1
         copies = None
         if rows:

@@ -381,7 +381,7 @@ class DraftModel(Speculator):
         shift = accepted.clamp(max=n - 1)  # the accepted drafts whose rows the chain made
         self._ids.dst[:2].copy_(kept.gather(0, (shift + torch.arange(2, device=self.device)).clamp(max=n)))
         at = self.cache.length - (n - 1)  # the rows before the drafts
-        self.cache.stage_ahead_on_device(at + shift, at + n - 1, min(MAX_N_Q, self.max_width))  # any next chain
+        self.cache.stage_ahead_on_device(shift, at + n - 1, min(MAX_N_Q, self.max_width), offset=at)  # any next chain
         self._prepared = "device"
 
     def read_device_round(self, tokens: list[int], n_valid: int, kept: list[int]) -> None:
