@@ -10,7 +10,10 @@ back: the GPU time of one step with no host in between. The step's wall time min
 time is what the host adds to every token (the device waits for it: the token is read back
 before the next step starts). Last, ``generate`` itself decodes ``--steps`` tokens on a fresh
 cache (on CUDA with the host a step ahead, so its part overlaps the GPU's): ``generate_s``,
-the step time a user gets. Writes ``<out>/step_<device>_<model>_<context>.csv`` (one row
+the step time a user gets; and its greedy step's graph (``GraphedModel.next_token``: the argmax
+and the next step's staging inside) replayed ``--steps`` times back to back: ``gpu_greedy``
+(each replay one position further on, as it stages its successor: the rows past the cache's
+end overwrite rows of its pool, which nothing reads after). Writes ``<out>/step_<device>_<model>_<context>.csv`` (one row
 per step, seconds) and prints the medians. ``--profile`` (CUDA) adds
 ``<out>/kernels_<model>_<context>.csv``: the GPU time of one captured step by kernel
 (torch.profiler over replays), the explanation of the GPU part; and
@@ -89,9 +92,19 @@ def measure(path, context: int, steps: int, device: str, profile: bool = False, 
             graph.replay()
         sync_device(model.device)
         df["gpu"] = (time.perf_counter() - t0) / steps
-    run = lambda n: generate(step, make_cache(cfg.cache, cfg.arena, model, len(prompt) + n + 1, cfg.prefill_chunk),
-                             prompt, n + 1, sampler, prefill_chunk=cfg.prefill_chunk)
-    df["generate_s"] = run(steps).stats.decode_s / steps
+    new_cache = lambda n: make_cache(cfg.cache, cfg.arena, model, len(prompt) + n + 1, cfg.prefill_chunk)
+    run = lambda n, c=None: generate(step, c or new_cache(n), prompt, n + 1, sampler, prefill_chunk=cfg.prefill_chunk)
+    gen_cache = new_cache(steps)  # kept: its greedy graph is timed next (a cache that goes drops its graphs)
+    df["generate_s"] = run(steps, gen_cache).stats.decode_s / steps
+    df["gpu_greedy"] = float("nan")
+    greedy = [e.graph for key, e in getattr(step, "graphs", {}).items() if key[3] == "greedy"]
+    if greedy:  # generate()'s own graph (argmax and the next step's staging inside), back to back
+        sync_device(model.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            greedy[0].replay()
+        sync_device(model.device)
+        df["gpu_greedy"] = (time.perf_counter() - t0) / steps
     if profile and isinstance(step, GraphedModel):
         return df, kernel_table(graph, steps), decode_table(run, steps)
     return df, None, None
@@ -143,10 +156,11 @@ def report(paths: list[str]) -> pd.DataFrame:
     rows = []
     for p in map(Path, paths):
         df = pd.read_csv(p)
-        med = df.iloc[1:][["wall", "gpu", "generate_s"]].median()
+        med = df.iloc[1:][["wall", "gpu", "generate_s", *(["gpu_greedy"] if "gpu_greedy" in df else [])]].median()
         row = {"file": f"{p.parent.name}/{p.name}", "code": p.parent.parent.name, "model": Path(df["model"].iloc[0]).name,
                "gemv": bool(df["gemv"].iloc[0]) if "gemv" in df else False, "context": int(df["context"].iloc[0]),
-               "step_ms": 1e3 * med["wall"], "gpu_ms": 1e3 * med["gpu"], "generate_ms": 1e3 * med["generate_s"],
+               "step_ms": 1e3 * med["wall"], "gpu_ms": 1e3 * med["gpu"],
+               "greedy_gpu_ms": 1e3 * med.get("gpu_greedy", float("nan")), "generate_ms": 1e3 * med["generate_s"],
                "tok_s": 1 / med["generate_s"]}
         k = p.with_name(p.name.replace("step_cuda_", "kernels_", 1))
         if k != p and k.exists():
@@ -204,7 +218,8 @@ def main(argv=None) -> None:
     host = med["wall"] - med["gpu"]
     print(f"{args.model} {args.device} context {args.context}: median step {1e3 * med['wall']:.3f} ms, "
           f"GPU alone {1e3 * med['gpu']:.3f} ms, host adds {1e3 * host:.3f} ms per token")
-    print(f"generate(): {1e3 * med['generate_s']:.3f} ms per step ({1 / med['generate_s']:.1f} tok/s)")
+    print(f"generate(): {1e3 * med['generate_s']:.3f} ms per step ({1 / med['generate_s']:.1f} tok/s); its greedy "
+          f"graph alone {1e3 * med['gpu_greedy']:.3f} ms")
     print("host phases (median ms): " + ", ".join(f"{p} {1e3 * med[p]:.3f}" for p in PHASES if p in med))
     print(f"wrote {out / name}")
     if kernels is not None:

@@ -58,7 +58,7 @@ def test_bench_step_splits_a_step_into_host_phases(tmp_path, capsys):
     df = pd.read_csv(tmp_path / "out" / "step_cpu_tiny.gguf_300.csv")
     assert len(df) == 4 and (df[["sample", "token", "call", "begin", "commit"]] > 0).all().all()
     assert (df["begin"] + df["commit"] < df["call"]).all()  # both happen inside the model call
-    assert df["gpu"].isna().all()  # no captured step on CPU
+    assert df["gpu"].isna().all() and df["gpu_greedy"].isna().all()  # no captured step on CPU
     assert "host phases" in capsys.readouterr().out
     # --report: the medians (the first step left out) and, for a CUDA file, its kernels CSV's totals
     cuda = tmp_path / "out" / "step_cuda_tiny.gguf_300.csv"
