@@ -61,7 +61,8 @@ def _labels():
     from kvstream.telemetry import StepRecord
     from policies import draft_length
 
-    out = [(speculative._DeviceRound, "run", ROUND), (speculative, "accept_on_device", "accept_on_device"),
+    out = [(speculative._DeviceRound, "run", ROUND), (speculative._DeviceRound, "launch", "round.launch"),
+           (speculative, "accept_on_device", "accept_on_device"),
            (Chain, "propose_device", "propose_device"), (Chain, "accepted", "chain.accepted"),
            (ChainGraphs, "run", "chain graph"), (GraphedModel, "__call__", "graphed step"),
            (PagedCache, "begin", "cache.begin"), (PagedCache, "commit", "cache.commit"),

@@ -676,6 +676,43 @@ def test_device_rounds_survive_an_eject_and_a_reenable(model, host, plain):
     assert draft.fed == (PROMPT + g.tokens)[:len(draft.fed)]
 
 
+class Alternating:
+    """A length policy of 2, 4, 2, 4, ... drafted tokens."""
+
+    def decide(self, snap) -> int:
+        return 4 if snap.current == 2 else 2
+
+
+def count_cancels(spec) -> list[int]:
+    """The drafted lengths of the rounds ``spec`` drops (``cancel_device_round``), recorded as they go."""
+    cancelled, cancel = [], type(spec).cancel_device_round
+    spec.cancel_device_round = lambda: (cancelled.append(spec._round), cancel(spec))
+    return cancelled
+
+
+@pytest.mark.parametrize("policy", ["length", "eject"])
+def test_the_next_round_launched_ahead_of_the_bookkeeping(model, host, plain, policy):
+    """The engine launches the next device round's draft as soon as a round's readback is read, with
+    the length the policy just gave (2, 4, 2, ...: each round as decided, none dropped), before the
+    round's telemetry and the eject policy; an eject there drops it (``cancel_device_round``: its
+    drafted rows roll back). The tokens stay plain decoding's and the draft counts only the
+    verified rounds."""
+    draft = new_draft(host, sampling=GREEDY)
+    cancelled = count_cancels(draft)
+    cache = target_cache(model, arena_mib(model, host, 2))
+    control = DraftControl(draft, cache, Never() if policy == "length" else Scripted(at=4, back=9))
+    g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=4, prefill_chunk=CHUNK,
+                             control=control, device_rounds=True,
+                             length_policy=Alternating() if policy == "length" else None)
+    assert g.tokens == plain
+    widths = [r.verify_width for r in g.records if r.verify_width > 1]
+    assert draft.stats.calls == len(widths) and draft.fed == (PROMPT + g.tokens)[:len(draft.fed)]
+    if policy == "length":
+        assert set(widths) == {3, 5} and all(a != b for a, b in zip(widths, widths[1:])) and cancelled == []
+    else:
+        assert [t.action for t in control.transitions] == ["eject", "reenable"] and cancelled == [4]
+
+
 def test_a_device_round_reads_the_device_once(model, host, plain, monkeypatch):
     """One host read per drafting round (the accepted count and tokens together), none for the
     draft tokens themselves: every Readback.read of the decode is a round's."""

@@ -64,7 +64,7 @@ def plain(model):
 
 
 def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None, step=None, head_graphs=False,
-            run_ahead=None, alpha=None, new=NEW, p_min=0.0):
+            run_ahead=None, alpha=None, new=NEW, p_min=0.0, on_draft=None):
     """A greedy decode with the head pinned in a stream cache's arena (``step``: the model, or a
     GraphedModel of it; ``head_graphs``: the head's steps captured, CUDA; ``alpha``: synthetic
     acceptance, ``new`` tokens, the head's ``p_min``)."""
@@ -79,6 +79,8 @@ def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None,
     cache = make_cache(cc, ArenaConfig(str(nbytes / MIB)), model, 2048, CHUNK, verify_width=1 + n_max)
     chain = Chain([mtp]) if chain is None else Chain(chain(mtp))
     control = DraftControl(mtp, cache, policy or Never(), measure_in_place=len(chain) == 1)
+    if on_draft is not None:  # (a test's hook on the speculator)
+        on_draft(mtp)
     g = speculative_generate(step or model, cache, PROMPT, new, Sampler(GREEDY, model.device), chain, n_max=n_max,
                              prefill_chunk=CHUNK, control=control, device_rounds=device_rounds, run_ahead=run_ahead,
                              synthetic_acceptance=alpha)
@@ -342,3 +344,17 @@ def test_the_slabs_hold_the_hidden_states_a_head_reads(model):
     plain, last, three = (phase_slabs(cc, model, 1024, CHUNK, 5, hidden=h) for h in (False, True, (0, 1, 2)))
     for phase in ("prefill", "decode"):
         assert plain[phase] < last[phase] < three[phase], (phase, plain, last, three)
+
+
+def test_a_heads_round_launched_ahead_is_dropped_by_an_eject(model, files, plain):
+    """As ``test_draft``'s: the head's next round, launched before a round's bookkeeping, is dropped
+    when the eject policy then ejects the head (its drafted rows roll back; the rows it fed stay
+    committed history, which the re-enable's catch-up continues): the tokens stay plain decoding's
+    and the head counts only the verified rounds."""
+    from test_draft import count_cancels
+
+    cancelled = []
+    g, mtp, control, _ = run_mtp(model, files, Scripted(at=4, back=9), device_rounds=True,
+                                 on_draft=lambda m: cancelled.append(count_cancels(m)))
+    assert g.tokens == plain and [t.action for t in control.transitions] == ["eject", "reenable"]
+    assert cancelled == [[4]] and mtp.stats.calls == sum(r.verify_width > 1 for r in g.records)

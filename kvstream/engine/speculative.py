@@ -29,7 +29,10 @@ times (CUDA events). The output is the same as the host round's: a masked token 
 accepted, and the token after the accepted prefix is the target's argmax there. A drafter with
 ``prepare`` stages its next round's feed before that readback, from the kept tokens and the
 accepted count on the device (``kept_on_device``; the MTP head also from the verify's states):
-after the readback the host launches the next round without staging it.
+after the readback the host launches the next round without staging it, and it does so before
+the round's bookkeeping (telemetry, the eject policy; the length policy decides first), so the
+device drafts while the host records. A launched round that the bookkeeping rules out (an eject,
+a plain measurement) is dropped (``Chain.cancel_device``: its drafted rows roll back).
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class _DeviceRound:
         self.device = device
         # a round's three marks, made once: read within the round, so the next one may record them again
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else None
+        self.pending = None  # (n, its start mark, (tokens, valid) or None): a round's draft part launched ahead
 
     def _mark(self, i: int):
         if not self.cuda:
@@ -122,12 +126,29 @@ class _DeviceRound:
     def _between(a, b) -> float:
         return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
 
+    def launch(self, chain, history: list[int], n: int) -> None:
+        """Queue a round's draft part (``chain.propose_device``) now: ``run`` then verifies it, if it
+        asks for the same ``n``. The engine launches the next round's draft as soon as the last
+        round's readback has said what it continues, so the device drafts while the host does that
+        round's bookkeeping (telemetry, the eject policy) instead of waiting for it."""
+        self.cancel(chain)
+        t0 = self._mark(0)
+        self.pending = (n, t0, chain.propose_device(history, n))  # None: the chain drafts on the host
+
+    def cancel(self, chain) -> None:
+        """Drop a launched round that will not be verified (a plain round, an eject, another length):
+        its speculator rolls its drafted rows back."""
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[2] is not None:
+            chain.cancel_device()
+
     def run(self, model, cache, chain, history: list[int], n: int, sampler: Sampler, alpha: float | None):
         """(kept tokens, valid draft tokens, draft seconds, verify seconds) of one round, or None
-        when the chain drafts on the host this round. A drafter that reads the target's hidden
-        states (an MTP head) gets the kept rows' (``observe``)."""
-        t0 = self._mark(0)
-        drafted = chain.propose_device(history, n)
+        when the chain drafts on the host this round; its draft part ``launch``ed ahead, or now. A
+        drafter that reads the target's hidden states (an MTP head) gets the kept rows' (``observe``)."""
+        if self.pending is None or self.pending[0] != n:
+            self.launch(chain, history, n)
+        (_, t0, drafted), self.pending = self.pending, None
         if drafted is None:
             return None
         tokens, valid = drafted
@@ -225,8 +246,10 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     n_round = length_policy.decide(LengthSnapshot(n_max, 0, 0, None, {}, None, 0))  # current 0: the first round
     accepted_total = drafted_total = 0
     bar = tqdm(total=max_new_tokens, initial=1, desc="decode", unit="tok", disable=not progress, leave=False)
+    launched = None  # when the next round's draft part was launched ahead (_DeviceRound.launch): its start
     while out[-1] not in stop and len(out) < max_new_tokens:
-        ts = time.perf_counter()
+        ts = launched or time.perf_counter()
+        launched = None
         measuring = control is not None and control.plain  # the ejected state's rate, measured in place
         plain = chain.idle or measuring
         if queued is not None and not plain:  # drafting again since it was queued: not a plain round
@@ -238,8 +261,10 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         # is dropped below (kvstream.engine.runner sizes the cache n_max tokens past the end for it)
         n = min(n_round, cache.max_tokens - cache.length - 1)
         start = cache.length
-        done = rounds.run(model, cache, chain, history, n, sampler, synthetic_acceptance) \
-            if rounds is not None and n > 0 and not plain and queued is None else None
+        device_round = rounds is not None and n > 0 and not plain and queued is None
+        if rounds is not None and not device_round:  # a round launched ahead that the bookkeeping then ruled out
+            rounds.cancel(chain)
+        done = rounds.run(model, cache, chain, history, n, sampler, synthetic_acceptance) if device_round else None
         if done is not None:  # drafted, verified and accepted on the device
             kept, n_drafted, draft_s, verify_s = done
             width, stats = 1 + n, cache.stats
@@ -283,6 +308,16 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         # device rounds: the verify's device time for its width (host rounds: the rest of the round)
         timing.update(width, verify_s if done is not None else step_s - draft_s, draft_s, n_drafted)
         drafted_total, accepted_total = drafted_total + n_drafted, accepted_total + len(kept) - 1
+        last = (n_drafted, len(kept) - 1)  # (0, 0) after a round without a draft: no change
+        n_round = length_policy.decide(LengthSnapshot(
+            n_max, *last, accepted_total / drafted_total if drafted_total else None, dict(timing.width_s),
+            timing.draft_s / timing.drafted if timing.drafted else None, n_round))
+        n_next = min(n_round, cache.max_tokens - cache.length - 1)
+        if done is not None and out[-1] not in stop and len(out) < max_new_tokens and not chain.idle and n_next > 0:
+            # the next device round's draft, queued before this round's bookkeeping (cancelled at the next
+            # round if that bookkeeping ejects the draft or starts a plain measurement); its time from here
+            launched = time.perf_counter()
+            rounds.launch(chain, history, n_next)
         # this round's length and stats, not those of a step queued after it
         records.append(StepRecord.of(len(records), cache, len(kept), step_s, verify_width=width,
                                      drafted=n_drafted, accepted=len(kept) - 1, draft_s=draft_s,
@@ -292,16 +327,14 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         if control is not None:
             control.after_step(len(records) - 1, len(kept), step_s, length=start + len(kept),
                                tokens_left=0 if out[-1] in stop else max_new_tokens - len(out), draft_s=draft_s)
-        last = (n_drafted, len(kept) - 1)  # (0, 0) after a round without a draft: no change
-        n_round = length_policy.decide(LengthSnapshot(
-            n_max, *last, accepted_total / drafted_total if drafted_total else None, dict(timing.width_s),
-            timing.draft_s / timing.drafted if timing.drafted else None, n_round))
         if order_policy is not None and len(chain) > 1:
             chain.reorder(order_policy.decide(ChainSnapshot(tuple(chain.names), {
                 s.name: (s.stats.calls, s.stats.drafted_tokens, s.stats.accepted_tokens, s.stats.seconds)
                 for s in chain})))
     if queued is not None:  # queued after the stop token that ended the loop: not part of the output
         cache.truncate(queued[0])
+    if rounds is not None:  # (none is launched after the last round; a raised error may leave one)
+        rounds.cancel(chain)
     bar.close()
     sync_device(dev)
     t2 = time.perf_counter()

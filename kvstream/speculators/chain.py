@@ -57,6 +57,13 @@ class Chain:
             self.last_winner, self._pending = spec, n
         return out
 
+    def cancel_device(self) -> None:
+        """Drop the round ``propose_device`` drafted last, unverified: its speculator rolls its
+        drafted rows back (``cancel_device_round``), as if the round had not been proposed."""
+        winner, self.last_winner, self._pending = self.last_winner, None, 0
+        if winner is not None:
+            winner.cancel_device_round()
+
     def accepted(self, n_drafted: int, n_accepted: int) -> None:
         """Feedback for the last draft, passed to its speculator only. A call after a round
         without a draft is allowed with ``n_drafted == 0`` and does nothing."""

@@ -332,6 +332,14 @@ class DraftModel(Speculator):
         self.fed.extend(new)
         return out
 
+    def cancel_device_round(self) -> None:
+        """Drop the round ``propose_device`` launched, unverified (``Chain.cancel_device``): its
+        drafted rows go, the history it fed stays; nothing staged for a next round holds."""
+        if self._round:
+            self.cache.truncate(len(self.fed) - self.base)
+            self._round, self._prepared = 0, None
+            self.stats.calls -= 1
+
     def _stage(self, tokens: list[int]) -> None:
         """Token ids into the static input buffer, from a pinned buffer (a pageable copy would sync)."""
         self._ids.stage().numpy()[:len(tokens)] = tokens

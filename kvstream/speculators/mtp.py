@@ -332,6 +332,14 @@ class MTPDraft(Speculator):
             self.stats.calls += 1
         return out
 
+    def cancel_device_round(self) -> None:
+        """Drop the round ``propose_device`` launched, unverified (``Chain.cancel_device``): its drafted
+        rows go; the rows it fed are committed history, as after a verified round."""
+        if self._round:
+            self.cache.truncate(self.committed)
+            self._round = 0
+            self.stats.calls -= 1
+
     def read_device_round(self, tokens: list[int], n_valid: int, kept: list[int]) -> None:
         self._round = 0
         if n_valid:
