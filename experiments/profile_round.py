@@ -72,7 +72,7 @@ def _labels():
            (StepRecord, "of", "step record"), (DraftControl, "after_step", "control.after_step"),
            (DraftModel, "read_device_round", "read_device_round"), (MTPDraft, "read_device_round", "read_device_round"),
            (MTPDraft, "observe", "observe"), (MTPDraft, "prepare", "prepare"), (DraftModel, "prepare", "prepare"),
-           (speculative, "kept_on_device", "kept_on_device"), (PagedCache, "stage_ahead", "cache.stage_ahead"),
+           (PagedCache, "stage_ahead", "cache.stage_ahead"),
            (PagedCache, "stage_ahead_on_device", "cache.stage_ahead")]
     out += [(cls, "decide", "length policy") for _, cls in inspect.getmembers(draft_length, inspect.isclass)
             if "decide" in vars(cls)]

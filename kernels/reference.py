@@ -335,3 +335,20 @@ def stage_rows(pos: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, table
     page = (p // PAGE_TOKENS).clamp(max=tables.shape[1] - 1)
     slots[:, :n] = tables[:, page].long() * PAGE_TOKENS + p % PAGE_TOKENS
     lens[:n] = p + 1
+
+
+# ---- greedy acceptance ------------------------------------------------------------------
+
+def accept(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+           keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.accept.accept``: (result [accepted, valid count, tokens, the 1 + n argmaxes],
+    kept [the accepted drafts, then the target's token after them, repeated]) of a verify pass's
+    logits [1 + n, V] for the drafted tokens [n]; ``keep``: synthetic acceptance's draws."""
+    n = tokens.shape[0]
+    top = logits.argmax(-1)
+    ok = (keep if keep is not None else top[:n] == tokens) & valid
+    accepted = torch.cumprod(ok.int(), 0).sum()
+    result = torch.cat((accepted.view(1).long(), valid.sum().view(1).long(), tokens, top))
+    i = torch.arange(n + 1, device=logits.device)
+    kept = torch.where(i < accepted, torch.cat((tokens, top[n:])), top.gather(0, accepted.view(1)))
+    return result, kept

@@ -651,6 +651,33 @@ def test_device_rounds_equal_plain_decoding(model, host, plain, p_min):
     assert draft.stats.drafted_tokens == sum(r.drafted for r in g.records)
 
 
+@pytest.mark.parametrize("alpha, p_min", [(None, 0.02), (0.5, 0.0)])
+def test_device_rounds_through_the_acceptance_kernel(model, host, alpha, p_min, monkeypatch):
+    """The round's acceptance by ``kernels.accept`` (CUDA's path, here under the interpreter) against
+    the torch expression (the CPU's): the same tokens and per-round counts, p_min's masks and
+    synthetic draws included."""
+    from kvstream.engine import speculative
+    from kernels.accept import scratch_for
+
+    def decode():
+        cache = target_cache(model, arena_mib(model, host, 2))
+        draft = new_draft(host, p_min=p_min, sampling=GREEDY)
+        g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=4,
+                                 prefill_chunk=CHUNK, control=DraftControl(draft, cache, Never()), device_rounds=True,
+                                 synthetic_acceptance=alpha)
+        return g.tokens, [(r.verify_width, r.drafted, r.accepted) for r in g.records]
+
+    torch_ops = decode()
+    init = speculative._DeviceRound.__init__
+
+    def with_kernel(self, device, n_max):
+        init(self, device, n_max)
+        self.scratch = scratch_for(1 + n_max, device)
+
+    monkeypatch.setattr(speculative._DeviceRound, "__init__", with_kernel)
+    assert decode() == torch_ops and any(d > a for _, d, a in torch_ops[1])
+
+
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
 def test_device_rounds_with_synthetic_acceptance_match_the_host_rounds(model, host, alpha):
     """Synthetic acceptance 1 (a perfect draft) keeps every draft token and 0 none, on the

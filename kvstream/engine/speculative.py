@@ -23,16 +23,17 @@ token for token (tests), sampled runs match it in distribution (chi-square test)
 With ``device_rounds`` (CUDA, greedy) a round whose chain is one speculator that drafts on the
 device (``Chain.propose_device``: the draft model) runs with one host sync: the draft's steps
 feed each other on the device, the ``p_min`` stop is a mask, the verify pass runs 1 + n tokens
-whatever the mask, and greedy (or synthetic) acceptance is computed on the device; the host
-reads back the accepted count and the tokens once, with the draft's and the verify's device
-times (CUDA events). The output is the same as the host round's: a masked token is never
-accepted, and the token after the accepted prefix is the target's argmax there. A drafter with
-``prepare`` stages its next round's feed before that readback, from the kept tokens and the
-accepted count on the device (``kept_on_device``; the MTP head also from the verify's states):
-after the readback the host launches the next round without staging it, and it does so before
-the round's bookkeeping (telemetry, the eject policy; the length policy decides first), so the
-device drafts while the host records. A launched round that the bookkeeping rules out (an eject,
-a plain measurement) is dropped (``Chain.cancel_device``: its drafted rows roll back).
+whatever the mask, and greedy (or synthetic) acceptance is computed on the device (one launch,
+``kernels.accept``); the host reads back the accepted count and the tokens once, with the
+draft's and the verify's device times (CUDA events). The output is the same as the host
+round's: a masked token is never accepted, and the token after the accepted prefix is the
+target's argmax there. A drafter with ``prepare`` stages its next round's feed before that
+readback, from the kept tokens and the accepted count on the device (the MTP head also from the
+verify's states): after the readback the host launches the next round without staging it, and
+does so before the round's bookkeeping (telemetry, the eject policy; the length policy decides
+first), so the device drafts while the host records. A launched round that the bookkeeping rules
+out (an eject, a plain measurement) is dropped (``Chain.cancel_device``: its drafted rows roll
+back).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from kernels import reference
+from kernels.accept import accept as accept_kernel, scratch_for as accept_scratch
 from policies.chain_order import ChainSnapshot
 from policies.draft_length import Fixed, LengthSnapshot
 
@@ -81,26 +84,18 @@ def accept(logits: torch.Tensor, draft: list[int], sampler: Sampler, q: torch.Te
 
 
 def accept_on_device(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, sampler: Sampler,
-                     alpha: float | None = None) -> torch.Tensor:
-    """``accept`` for greedy rounds, on the device: [accepted, valid count, the n tokens, the
-    target's 1 + n argmaxes] as one long tensor (one readback). logits [1 + n, vocab]."""
+                     alpha: float | None = None, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accept`` for greedy rounds, on the device: (result, kept). result: [accepted, valid count,
+    the n tokens, the target's 1 + n argmaxes] as one long tensor (one readback); kept: the
+    round's kept tokens padded to 1 + n (the accepted drafts, then the target's token after them,
+    repeated: a drafter stages its next round from it before the readback). logits [1 + n, vocab].
+    With ``scratch`` (``kernels.accept.scratch_for``, CUDA) one launch, else the torch expression
+    (``kernels.reference.accept``); synthetic acceptance draws its keeps here, as the host round does."""
     n = tokens.shape[0]
-    top = logits.argmax(-1)
-    if alpha is not None:  # synthetic: each token kept with probability alpha, whatever its content
-        keep = torch.rand(n, generator=sampler.generator, device=logits.device) < alpha
-    else:
-        keep = top[:n] == tokens
-    accepted = torch.cumprod((keep & valid).int(), 0).sum()
-    return torch.cat((accepted.view(1).long(), valid.sum().view(1).long(), tokens, top))
-
-
-def kept_on_device(result: torch.Tensor, n: int) -> torch.Tensor:
-    """The round's kept tokens from ``accept_on_device``'s ``result``, on the device, padded to
-    1 + n: the drafts before the first rejected one, then the target's token there (rows after
-    it repeat that token: no round reads them)."""
-    a, tokens, top = result[:1], result[2:2 + n], result[2 + n:]
-    i = torch.arange(n + 1, device=result.device)
-    return torch.where(i < a, torch.cat((tokens, top[n:])), top.gather(0, a))
+    keep = None if alpha is None else torch.rand(n, generator=sampler.generator, device=logits.device) < alpha
+    if scratch is not None:
+        return accept_kernel(logits, tokens, valid, keep, scratch)
+    return reference.accept(logits, tokens, valid, keep)
 
 
 class _DeviceRound:
@@ -115,6 +110,7 @@ class _DeviceRound:
         # a round's three marks, made once: read within the round, so the next one may record them again
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else None
         self.pending = None  # (n, its start mark, (tokens, valid) or None): a round's draft part launched ahead
+        self.scratch = accept_scratch(1 + n_max, device) if self.cuda else None  # the acceptance kernel's
 
     def _mark(self, i: int):
         if not self.cuda:
@@ -162,14 +158,13 @@ class _DeviceRound:
         out = model(batch, cache, all_logits=True, hidden=hidden)
         logits, h = out if hidden else (out, None)
         rb = self.readbacks.get(n) or self.readbacks.setdefault(n, Readback(self.device, (2 * n + 3,), torch.long))
-        result = accept_on_device(logits, tokens, valid, sampler, alpha)
+        result, kept = accept_on_device(logits, tokens, valid, sampler, alpha, self.scratch)
         t2 = self._mark(2)  # before the readback's own event: done when the read returns, so readable
         rb.start(result)
         prepare = getattr(winner, "prepare", None)
         if prepare is not None:  # the next round's feed, staged while the device verifies (its few device
             # ops fall between the verify's events and the next draft's: in neither part's time)
-            prepare(kept_on_device(result, n), len(history) - 1, h=h[:1 + n] if hidden else None,
-                    accepted=result[:1])
+            prepare(kept, len(history) - 1, h=h[:1 + n] if hidden else None, accepted=result[:1])
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
         kept = toks[:accepted] + [top[accepted]]
