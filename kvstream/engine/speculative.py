@@ -109,7 +109,7 @@ class _DeviceRound:
         self.device = device
         # a round's three marks, made once: read within the round, so the next one may record them again
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else None
-        self.pending = None  # (n, its start mark, (tokens, valid) or None): a round's draft part launched ahead
+        self.pending = None  # (n, its marks, (tokens, valid) or None): a round's draft part launched ahead
         self.scratch = accept_scratch(1 + n_max, device) if self.cuda else None  # the acceptance kernel's
 
     def _mark(self, i: int):
@@ -129,13 +129,14 @@ class _DeviceRound:
         round's bookkeeping (telemetry, the eject policy) instead of waiting for it."""
         self.cancel(chain)
         t0 = self._mark(0)
-        self.pending = (n, t0, chain.propose_device(history, n))  # None: the chain drafts on the host
+        drafted = chain.propose_device(history, n)  # None: the chain drafts on the host this round
+        self.pending = (n, t0, self._mark(1), drafted)  # (the marks around the draft alone: its device time)
 
     def cancel(self, chain) -> None:
         """Drop a launched round that will not be verified (a plain round, an eject, another length):
         its speculator rolls its drafted rows back."""
         pending, self.pending = self.pending, None
-        if pending is not None and pending[2] is not None:
+        if pending is not None and pending[3] is not None:
             chain.cancel_device()
 
     def run(self, model, cache, chain, history: list[int], n: int, sampler: Sampler, alpha: float | None):
@@ -144,11 +145,10 @@ class _DeviceRound:
         drafter that reads the target's hidden states (an MTP head) gets the kept rows' (``observe``)."""
         if self.pending is None or self.pending[0] != n:
             self.launch(chain, history, n)
-        (_, t0, drafted), self.pending = self.pending, None
+        (_, t0, t1, drafted), self.pending = self.pending, None
         if drafted is None:
             return None
         tokens, valid = drafted
-        t1 = self._mark(1)
         self.batch.stage().numpy()[0] = history[-1]
         self.batch.send()
         batch = self.batch.dst[:1 + n]
@@ -158,13 +158,13 @@ class _DeviceRound:
         out = model(batch, cache, all_logits=True, hidden=hidden)
         logits, h = out if hidden else (out, None)
         rb = self.readbacks.get(n) or self.readbacks.setdefault(n, Readback(self.device, (2 * n + 3,), torch.long))
-        result, kept = accept_on_device(logits, tokens, valid, sampler, alpha, self.scratch)
+        result, kept_dev = accept_on_device(logits, tokens, valid, sampler, alpha, self.scratch)
         t2 = self._mark(2)  # before the readback's own event: done when the read returns, so readable
         rb.start(result)
         prepare = getattr(winner, "prepare", None)
         if prepare is not None:  # the next round's feed, staged while the device verifies (its few device
             # ops fall between the verify's events and the next draft's: in neither part's time)
-            prepare(kept, len(history) - 1, h=h[:1 + n] if hidden else None, accepted=result[:1])
+            prepare(kept_dev, len(history) - 1, h=h[:1 + n] if hidden else None, accepted=result[:1])
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
         kept = toks[:accepted] + [top[accepted]]
