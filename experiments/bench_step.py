@@ -13,7 +13,8 @@ cache (on CUDA with the host a step ahead, so its part overlaps the GPU's): ``ge
 the step time a user gets; and its greedy step's graph (``GraphedModel.next_token``: the argmax
 and the next step's staging inside) replayed ``--steps`` times back to back: ``gpu_greedy``
 (each replay one position further on, as it stages its successor: the rows past the cache's
-end overwrite rows of its pool, which nothing reads after). Writes ``<out>/step_<device>_<model>_<context>.csv`` (one row
+end overwrite rows of its pool, which nothing reads after). Writes
+``<out>/step_<device>_<model>_<context>.csv`` (one row
 per step, seconds) and prints the medians. ``--profile`` (CUDA) adds
 ``<out>/kernels_<model>_<context>.csv``: the GPU time of one captured step by kernel
 (torch.profiler over replays), the explanation of the GPU part; and

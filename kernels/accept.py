@@ -10,7 +10,7 @@ token i is kept where it equals row i's argmax). Writes ``result`` int64 [2n + 3
 count, valid count, tokens, the 1 + n argmaxes] (what the host reads back) and ``kept`` int64
 [1 + n] (the accepted drafts, then the target's token after them, repeated to the end: a
 drafter stages its next round from it on the device). The argmaxes are torch.argmax's (first
-maximum, NaN largest; ``kernels.argmax``'s keys); the counts and rows equal
+maximum, NaN largest; ``kernels.argmax``'s keys, ``block_key``); the counts and rows equal
 ``reference.accept``'s, which is the torch expression.
 
 Each program takes a block of one row's logits to one int64 key (value, -index) and an atomic
@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.argmax import block_key, index_of
+
 BLOCK = 4096
 INT64_MIN = -0x7FFFFFFFFFFFFFFF - 1
 
@@ -31,16 +33,9 @@ INT64_MIN = -0x7FFFFFFFFFFFFFFF - 1
 @triton.jit
 def _accept_kernel(logits, V, stride_l, tokens, valid, keep, scratch, result, kept, n,
                    ROWS: tl.constexpr, BLOCK: tl.constexpr, SYNTHETIC: tl.constexpr):
-    row, blk = tl.program_id(0), tl.program_id(1)
-    i = blk * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(logits + row * stride_l + i, mask=i < V, other=0.0)
-    v = tl.where(v == 0.0, 0.0, v)  # -0.0 compares equal to +0.0: one key for both
-    s = v.to(tl.int32, bitcast=True)
-    s = tl.where(s < 0, s ^ 0x7FFFFFFF, s)  # signed ints in the floats' order
-    s = tl.where(v != v, 0x7FFFFFFF, s)  # NaN: above +inf
-    key = (s.to(tl.int64) << 32) | (0xFFFFFFFF - i.to(tl.int64))
-    key = tl.where(i < V, key, -0x7FFFFFFFFFFFFFFF - 1)
-    tl.atomic_max(scratch + 1 + row, tl.max(key, axis=0))
+    row = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.atomic_max(scratch + 1 + row, block_key(logits + row * stride_l, i, V))
     total = tl.num_programs(0) * tl.num_programs(1)
     if tl.atomic_add(scratch, 1) == total - 1:  # the last program: every row's maximum is in
         o = tl.arange(0, ROWS)
@@ -49,7 +44,7 @@ def _accept_kernel(logits, V, stride_l, tokens, valid, keep, scratch, result, ke
         # values is not one Triton promises for replicated elements)
         top_key = tl.load(scratch + 1 + o, mask=o <= n, other=0, volatile=True)
         tl.store(scratch + 1 + o, tl.full([ROWS], -0x7FFFFFFFFFFFFFFF - 1, tl.int64), mask=o <= n)
-        top = 0xFFFFFFFF - (top_key & 0xFFFFFFFF)
+        top = index_of(top_key)
         d = o < n
         tok = tl.load(tokens + o, mask=d, other=0)
         ok = tl.load(valid + o, mask=d, other=0) != 0

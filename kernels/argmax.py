@@ -22,20 +22,30 @@ BLOCK = 4096
 
 
 @triton.jit
-def _argmax_kernel(x, n, out, scratch, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def block_key(x, i, n):
+    """The largest int64 key of the values ``x[i]`` (``i < n``; others the smallest int64): keys
+    ordered as (value, -index), so the largest is the first largest value's; ``index_of`` reads it."""
     v = tl.load(x + i, mask=i < n, other=0.0)
     v = tl.where(v == 0.0, 0.0, v)  # -0.0 compares equal to +0.0: one key for both
     s = v.to(tl.int32, bitcast=True)
     s = tl.where(s < 0, s ^ 0x7FFFFFFF, s)  # signed ints in the floats' order
     s = tl.where(v != v, 0x7FFFFFFF, s)  # NaN: above +inf
     key = (s.to(tl.int64) << 32) | (0xFFFFFFFF - i.to(tl.int64))
-    key = tl.where(i < n, key, -0x7FFFFFFFFFFFFFFF - 1)
-    tl.atomic_max(scratch, tl.max(key, axis=0))
+    return tl.max(tl.where(i < n, key, -0x7FFFFFFFFFFFFFFF - 1), axis=0)
+
+
+@triton.jit
+def index_of(key):
+    return 0xFFFFFFFF - (key & 0xFFFFFFFF)
+
+
+@triton.jit
+def _argmax_kernel(x, n, out, scratch, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
+    tl.atomic_max(scratch, block_key(x, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), n))
     if tl.atomic_add(scratch + 1, 1) == tl.num_programs(0) - 1:  # the last program: every max is in
         top = tl.atomic_xchg(scratch, -0x7FFFFFFFFFFFFFFF - 1)
-        tl.store(out, 0xFFFFFFFF - (top & 0xFFFFFFFF))
+        tl.store(out, index_of(top))
         tl.atomic_xchg(scratch + 1, 0)
 
 

@@ -690,7 +690,8 @@ def test_a_step_that_stages_its_successor_leaves_the_host_nothing_to_stage(model
     for _ in range(300):  # 1000 -> 1300: pages open at 1024 and 1280
         c.begin(1)
         p = c.length
-        want = np.concatenate([[p], c.tables_host.numpy()[:, p // PAGE_TOKENS] * PAGE_TOKENS + p % PAGE_TOKENS, [p + 1]])
+        slots = c.tables_host.numpy()[:, p // PAGE_TOKENS] * PAGE_TOKENS + p % PAGE_TOKENS
+        want = np.concatenate([[p], slots, [p + 1]])
         assert c._pos[:1].tolist() + c._slots[:, 0].tolist() + c._lens[:1].tolist() == want.tolist(), p
         assert c.pos.tolist() == [p] and int(c.seq_len) == p + 1
         c.stage_next_on_device()

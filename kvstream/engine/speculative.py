@@ -84,7 +84,8 @@ def accept(logits: torch.Tensor, draft: list[int], sampler: Sampler, q: torch.Te
 
 
 def accept_on_device(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, sampler: Sampler,
-                     alpha: float | None = None, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     alpha: float | None = None,
+                     scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``accept`` for greedy rounds, on the device: (result, kept). result: [accepted, valid count,
     the n tokens, the target's 1 + n argmaxes] as one long tensor (one readback); kept: the
     round's kept tokens padded to 1 + n (the accepted drafts, then the target's token after them,
