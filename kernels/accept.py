@@ -30,7 +30,7 @@ BLOCK = 4096
 INT64_MIN = -0x7FFFFFFFFFFFFFFF - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # (the draft length: ROWS's buckets are the variants)
 def _accept_kernel(logits, V, stride_l, tokens, valid, keep, scratch, result, kept, n,
                    ROWS: tl.constexpr, BLOCK: tl.constexpr, SYNTHETIC: tl.constexpr):
     row = tl.program_id(0)

@@ -19,7 +19,8 @@ import triton.language as tl
 from kernels.formats import PAGE_TOKENS
 
 
-@triton.jit
+# the start's offset and the row count change from call to call: one compiled variant for all
+@triton.jit(do_not_specialize=["offset", "n"])
 def _stage_rows_kernel(pos, slots, lens, tables, base, offset, n, n_layers, n_pages, stride_s, stride_t,
                        ROWS: tl.constexpr, LAYERS: tl.constexpr, PAGE: tl.constexpr):
     start = tl.load(base) + offset

@@ -110,8 +110,20 @@ class _DeviceRound:
         self.device = device
         # a round's three marks, made once: read within the round, so the next one may record them again
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else None
+        self.n_max = n_max
         self.pending = None  # (n, its marks, (tokens, valid) or None): a round's draft part launched ahead
         self.scratch = accept_scratch(1 + n_max, device) if self.cuda else None  # the acceptance kernel's
+
+    def warm(self, vocab: int, synthetic: bool) -> None:
+        """CUDA: the acceptance kernel compiled for every draft length here, in setup, not in the
+        first timed rounds."""
+        if self.scratch is None:
+            return
+        for n in range(1, self.n_max + 1):
+            ones, zeros = (torch.ones(n, dtype=torch.bool, device=self.device),
+                           torch.zeros(n, dtype=torch.long, device=self.device))
+            accept_kernel(torch.zeros(1 + n, vocab, device=self.device), zeros, ones, ones if synthetic else None,
+                          self.scratch)
 
     def _mark(self, i: int):
         if not self.cuda:
@@ -229,7 +241,8 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     sync_device(dev)
     prefill_s += time.perf_counter() - t0
     # verify widths (with the hidden states where a speculator reads them)
-    warm_s = warm_up(model, cache, [(w, True, features) for w in range(1, n_max + 2)], chain.warm)
+    more = [chain.warm] + ([lambda: rounds.warm(logits.shape[-1], synthetic_acceptance is not None)] if rounds else [])
+    warm_s = warm_up(model, cache, [(w, True, features) for w in range(1, n_max + 2)], *more)
     t1 = time.perf_counter()
     emit = on_token or (lambda t: None)
     out = [int(sampler(logits))]

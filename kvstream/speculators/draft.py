@@ -263,6 +263,10 @@ class DraftModel(Speculator):
                 self._ids.send()
                 self._run_chain(w, n)  # rows past the length, rolled back as a round's drafts are
                 self.cache.truncate(length)
+        if self.device.type == "cuda":  # ``prepare``'s staging kernel, compiled here (a begin discards what it stages)
+            at = self.cache.length
+            self.cache.stage_ahead_on_device(torch.zeros(1, dtype=torch.long, device=self.device), at,
+                                             min(MAX_N_Q, self.max_width), offset=at)
 
     def _propose(self, history: list[int], n_max: int, state) -> list[int]:
         if self.model is None:
