@@ -123,6 +123,7 @@ class DraftModel(Speculator):
         self._graphed_at: tuple[int, ...] = ()
         # a device round's catch-up tokens, copied from pinned buffers (a pageable copy syncs)
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
+        self._pair = torch.arange(2, device=self.device)  # (``prepare``'s offsets, made once)
         self._round = 0  # draft tokens of the device round awaiting read_device_round
         # the next round's (cache length, catch-up ids) that ``prepare`` staged, once its readback told
         # them ("device" until then)
@@ -391,7 +392,9 @@ class DraftModel(Speculator):
         if n == 0 or accepted is None or self.cache is None:
             return
         shift = accepted.clamp(max=n - 1)  # the accepted drafts whose rows the chain made
-        self._ids.dst[:2].copy_(kept.gather(0, (shift + torch.arange(2, device=self.device)).clamp(max=n)))
+        # kept[shift], kept[shift + 1] (<= n): the target's token (twice: one row is read), or the last
+        # draft and the target's token; straight into the ids (three launches with the clamp)
+        torch.gather(kept, 0, shift + self._pair, out=self._ids.dst[:2])
         at = self.cache.length - (n - 1)  # the rows before the drafts
         self.cache.stage_ahead_on_device(shift, at + n - 1, min(MAX_N_Q, self.max_width), offset=at)  # any next chain
         self._prepared = "device"
