@@ -58,3 +58,16 @@ def test_accept_writes_the_buffers_it_is_given_and_rejects_bad_input(device, gen
         accept(logits, tokens[:2], valid[:2], None, scratch)
     with pytest.raises(ValueError, match=r"scratch must be int64 \[>= 5\]"):
         accept(logits, tokens, valid, None, scratch[:3])
+
+
+def test_accept_at_the_real_vocabulary(device, gen):
+    """Qwen2.5's 151936 logits a row (38 programs each), four drafts, the second one rejected."""
+    n, vocab = 4, 151936
+    logits = torch.randn(n + 1, vocab, generator=gen)
+    top = logits.argmax(-1)
+    tokens = top[:n].clone()
+    tokens[1] = (tokens[1] + 1) % vocab
+    valid = torch.ones(n, dtype=torch.bool)
+    want = reference.accept(logits, tokens, valid)
+    got = accept(logits.to(device), tokens.to(device), valid.to(device), None, scratch_for(n + 1, device))
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]) and int(want[0][0]) == 1
