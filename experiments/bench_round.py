@@ -46,6 +46,7 @@ from kvstream.engine.runner import run_decode
 from kvstream.model.loader import open_gguf
 from kvstream.model.qwen import load_model
 from kvstream.model.tokenizer import Tokenizer
+from kvstream.model.weights import WEIGHT_FORMATS
 
 
 SLEEP_CYCLES = 2_000_000  # ~1 ms of the H200's clock: longer than the host takes to stage and launch one step
@@ -159,6 +160,9 @@ def round_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     help="the target's cache mode (stream: the studies' setting; with arena auto nothing streams)")
     ap.add_argument("--gemv", action="store_true",
                     help="model.gemv: the target's (and its drafter's) decode rows by kernels/gemv.py, gemv_mma.py")
+    ap.add_argument("--weights", default="dense", choices=WEIGHT_FORMATS, help="model.weights: the target's matrices")
+    ap.add_argument("--draft-weights", default="dense", choices=WEIGHT_FORMATS,
+                    help="spec.draft.weights: the draft model's matrices")
     ap.add_argument("--out", default="results/round")
     return ap
 
@@ -180,7 +184,9 @@ def tag(args) -> str:
     """A run's file-name part: context, k, the drafter, and the options off their defaults."""
     alpha = "" if args.alpha == 1 else "_areal" if args.alpha is None else f"_a{args.alpha:g}"
     return (f"{args.context}_k{args.k}{'_mtp' if args.mtp else ''}{alpha}" + ("_stream" if args.cache != "resident" else "")
-            + ("_review" if args.prompt != "random" else "") + ("_gemv" if args.gemv else ""))
+            + ("_review" if args.prompt != "random" else "") + ("_gemv" if args.gemv else "")
+            + ("" if args.weights == "dense" else f"_{args.weights}")
+            + ("" if args.draft_weights == "dense" or args.mtp else f"_draft_{args.draft_weights}"))
 
 
 def write_csv(df: pd.DataFrame, args, kind: str) -> Path:
@@ -201,8 +207,9 @@ def round_config(args, model) -> GenerateConfig:
                           mtp=MTPConfig(source=random_head(args, model) if args.mtp == "random" else args.mtp))
     else:
         spec = SpecConfig(type="draft", n_max=args.k, synthetic_acceptance=args.alpha,
-                          draft=DraftConfig(source=args.draft, p_min=0.0))
-    return GenerateConfig(model=ModelSource(args.target, gemv=args.gemv), hardware=Hardware("cuda", "bfloat16"),
+                          draft=DraftConfig(source=args.draft, p_min=0.0, weights=args.draft_weights))
+    return GenerateConfig(model=ModelSource(args.target, weights=args.weights, gemv=args.gemv),
+                          hardware=Hardware("cuda", "bfloat16"),
                           cache=CacheConfig(mode=args.cache), arena=ArenaConfig("auto"), max_new_tokens=args.new,
                           ignore_eos=True, spec=spec)
 
@@ -213,10 +220,12 @@ def load_round(ap: argparse.ArgumentParser, args, tool: str):
     after checking the options (one drafter) and that there is a GPU."""
     if args.target is None or (args.draft is None) == (args.mtp is None):
         ap.error("give one of --draft (a draft model) or --mtp (an MTP head)")
+    if "q8_0_int8" in (args.weights, args.draft_weights) and not args.gemv:
+        ap.error("q8_0_int8 weights multiply decode rows in int8 in model.gemv's kernel: add --gemv")
     if not torch.cuda.is_available():
         raise SystemExit(f"{tool} CUDA graphs and device rounds: it needs a GPU")
     reader = open_gguf(args.target)
-    model, tok = load_model(reader, torch.bfloat16, "cuda", gemv=args.gemv), Tokenizer.from_gguf(reader)
+    model, tok = load_model(reader, torch.bfloat16, "cuda", args.weights, args.gemv), Tokenizer.from_gguf(reader)
     if args.prompt == "review":
         return model, tok, review_prompt(tok, args.context, INSTRUCTION)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()

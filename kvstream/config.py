@@ -192,10 +192,13 @@ class DraftConfig:
     n_min: int = 0             # drafts shorter than this are dropped (llama.cpp's n_min)
     p_min: float = 0.75        # stop drafting when the draft's top probability falls below it
     chunk: int = 512           # catch-up tokens per draft forward pass (its compute slab)
+    weights: str = "dense"     # the draft's matrices, as model.weights: dense (hardware.dtype) | q8_0 (0.53x the
+    #                            pinned bytes) | q8_0_int8 (with model.gemv: decode rows multiplied in int8)
 
     def check(self, n_max: int) -> None:
         """Run by ``SpecConfig`` when the chain has a draft model (else these knobs are not read)."""
         _choose("spec.draft.type_k", self.type_k, KV_TYPES)
+        _choose("spec.draft.weights", self.weights, WEIGHT_FORMATS)
         _choose("spec.draft.type_v", self.type_v, KV_TYPES)
         if self.chunk < 1:
             raise ValueError(f"spec.draft.chunk={self.chunk}: catch-up tokens per draft pass, >= 1")
@@ -325,6 +328,9 @@ class GenerateConfig:
     ignore_eos: bool = False    # keep generating past end-of-generation tokens
 
     def __post_init__(self):
+        if self.spec.draft.weights == "q8_0_int8" and not self.model.gemv and "draft" in parse_chain_spec(self.spec.type):
+            raise ValueError("spec.draft.weights=q8_0_int8 multiplies the draft's decode rows in int8 in model.gemv's "
+                             "kernel: set model.gemv=true (or spec.draft.weights=q8_0)")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: give a number of tokens >= 1")
         if self.prefill_chunk < 1:

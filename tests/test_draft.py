@@ -124,6 +124,23 @@ def plain(model):
     return generate(model, cache, PROMPT, NEW, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
 
 
+@pytest.mark.parametrize("weights", ["q8_0", "q8_0_int8"])
+def test_a_draft_in_q8_0_blocks_pins_fewer_bytes_and_drafts_losslessly(model, files, plain, weights):
+    """``spec.draft.weights``: the draft's matrices in q8_0 blocks (its norms and biases dense) pin about
+    a quarter of its fp32 bytes (34 bytes a block of 32 values against 128), and the decode through it,
+    eject and re-enable included, still equals plain decoding (int8 rows: the CPU's reference of the
+    int8 kernel, with model.gemv as the target's setting)."""
+    tok = Tokenizer.from_gguf(files[0])
+    dense = load_host(files[0], tok.token_texts, torch.float32, "cpu")
+    q8 = load_host(files[0], tok.token_texts, torch.float32, "cpu", gemv=weights == "q8_0_int8", weights=weights)
+    weight_bytes = lambda h: sum(t.nbytes for n, t in h.tensors().items() if "norm" not in n and "bias" not in n)
+    assert weight_bytes(q8) / weight_bytes(dense) == pytest.approx(34 / 128, rel=0.01)
+    assert draft_bytes(q8) < draft_bytes(dense)
+    g, draft, control, _ = run_with_draft(model, q8, Scripted(at=4, back=9), device_rounds=True)
+    assert g.tokens == plain and [t.action for t in control.transitions] == ["eject", "reenable"]
+    assert draft.stats.drafts > 0 and draft.stats.accepted_tokens > 0
+
+
 def test_a_reenable_reloads_the_draft_kv_where_it_was(model, host):
     """An eject and a re-enable pin the draft KV at the same bytes: its cache keeps its layout and
     tensors (on CUDA its captured steps stay valid) and gets its pages back from the host store,

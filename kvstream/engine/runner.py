@@ -29,13 +29,16 @@ from kvstream.model.tokenizer import Tokenizer
 
 
 class DraftHosts(dict):
-    """Draft weights on the host by (source, dtype, device[, rope overrides][, gemv]), loaded once per process."""
+    """Draft weights on the host by (source, dtype, device[, rope overrides][, gemv][, weights]), loaded once
+    per process."""
 
-    def get_host(self, source: str, tok: Tokenizer, dtype, device, rope: dict | None = None, gemv: bool = False):
+    def get_host(self, source: str, tok: Tokenizer, dtype, device, rope: dict | None = None, gemv: bool = False,
+                 weights: str = "dense"):
         rope = {k: v for k, v in (rope or {}).items() if v is not None}
-        key = (source, str(dtype), str(device), *sorted(rope.items())) + ((("gemv", True),) if gemv else ())
+        key = (source, str(dtype), str(device), *sorted(rope.items())) + ((("gemv", True),) if gemv else ()) \
+            + ((("weights", weights),) if weights != "dense" else ())
         if key not in self:
-            self[key] = load_host(resolve_model(source), tok.token_texts, dtype, device, gemv, **rope)
+            self[key] = load_host(resolve_model(source), tok.token_texts, dtype, device, gemv, weights, **rope)
         return self[key]
 
 
@@ -95,7 +98,7 @@ def run_decode(cfg: GenerateConfig, model, tok: Tokenizer, prompt: list[int], *,
         # the draft reads the target's positions: the target's rope overrides (YaRN past the original context)
         # and the target's matmuls (model.gemv)
         options["draft"] = dict(host=hosts.get_host(d.source, tok, model.dtype, model.device, cfg.model.rope,
-                                                    cfg.model.gemv),
+                                                    cfg.model.gemv, d.weights),
                                 device=model.device,
                                 max_tokens=max_tokens, type_k=d.type_k, type_v=d.type_v, window=d.window,
                                 n_min=d.n_min, p_min=d.p_min, chunk=d.chunk, sampling=cfg.sampling, graphs=graphs,
