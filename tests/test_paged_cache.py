@@ -675,14 +675,21 @@ def test_a_pass_staged_on_the_device_is_used_once_its_length_is_claimed(model, t
     assert begin(240, 3)[4] == 1
 
 
+@pytest.mark.parametrize("ops", ["reference", "kernel"])
 @pytest.mark.parametrize("mode", ["resident", "stream"])
 @torch.inference_mode()
-def test_a_step_that_stages_its_successor_leaves_the_host_nothing_to_stage(model, mode):
+def test_a_step_that_stages_its_successor_leaves_the_host_nothing_to_stage(model, mode, ops):
     """A one-row pass ending with ``stage_next_on_device`` (a greedy step's graph), then its commit and
     ``claim_next``: the next ``begin(1)`` stages nothing, and its positions, slots and lengths are the
     host tables' (checked against numpy, not against ``_stage_step``), except at a page opening, where
-    the begin re-plans and stages itself; a rollback makes the next begin stage too."""
+    the begin re-plans and stages itself; a rollback makes the next begin stage too. ``kernel``: the
+    staging by ``kernels.stage`` (CUDA's; here under the interpreter) instead of its torch reference."""
     c = paged(model, mode, **({} if mode == "resident" else {"mib": small_arena_mib(model, 4, 4), "ring": 4}))
+    if ops == "kernel":
+        if torch.cuda.is_available():  # (the interpreter runs it on these CPU tensors only where it is on)
+            pytest.skip("the kernel on a CPU cache needs the Triton interpreter; on CUDA test_cuda's greedy decode runs it")
+        from kernels.stage import stage_rows
+        c.ops.stage_rows = stage_rows
     prefill(model, c, torch.zeros(1000, dtype=torch.long).tolist(), CHUNK)
     c.set_phase("decode")
     calls, stage_step = [], c._stage_step
