@@ -84,18 +84,19 @@ def accept(logits: torch.Tensor, draft: list[int], sampler: Sampler, q: torch.Te
 
 
 def accept_on_device(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, sampler: Sampler,
-                     alpha: float | None = None,
-                     scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     alpha: float | None = None, scratch: torch.Tensor | None = None,
+                     out: tuple[torch.Tensor, torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """``accept`` for greedy rounds, on the device: (result, kept). result: [accepted, valid count,
     the n tokens, the target's 1 + n argmaxes] as one long tensor (one readback); kept: the
     round's kept tokens padded to 1 + n (the accepted drafts, then the target's token after them,
     repeated: a drafter stages its next round from it before the readback). logits [1 + n, vocab].
-    With ``scratch`` (``kernels.accept.scratch_for``, CUDA) one launch, else the torch expression
-    (``kernels.reference.accept``); synthetic acceptance draws its keeps here, as the host round does."""
+    With ``scratch`` (``kernels.accept.scratch_for``, CUDA) one launch, into ``out`` (result, kept) when
+    given, else the torch expression (``kernels.reference.accept``); synthetic acceptance draws its keeps
+    here, as the host round does."""
     n = tokens.shape[0]
     keep = None if alpha is None else torch.rand(n, generator=sampler.generator, device=logits.device) < alpha
     if scratch is not None:
-        return accept_kernel(logits, tokens, valid, keep, scratch)
+        return accept_kernel(logits, tokens, valid, keep, scratch, *out)
     return reference.accept(logits, tokens, valid, keep)
 
 
@@ -107,6 +108,7 @@ class _DeviceRound:
         self.cuda = device.type == "cuda"
         self.batch = PinnedUpload(torch.zeros(1 + n_max, dtype=torch.long, device=device))
         self.readbacks: dict[int, Readback] = {}
+        self.outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.device = device
         # a round's three marks, made once: read within the round, so the next one may record them again
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else None
@@ -124,6 +126,16 @@ class _DeviceRound:
                            torch.zeros(n, dtype=torch.long, device=self.device))
             accept_kernel(torch.zeros(1 + n, vocab, device=self.device), zeros, ones, ones if synthetic else None,
                           self.scratch)
+
+    def _outputs(self, n: int) -> tuple:
+        """The acceptance kernel's (result, kept) buffers for draft length ``n``, made once: read (the
+        readback, the next round's staging) before the next round's acceptance rewrites them, in
+        stream order. () for the torch path."""
+        if self.scratch is None:
+            return ()
+        if n not in self.outs:
+            self.outs[n] = tuple(torch.empty(m, dtype=torch.long, device=self.device) for m in (2 * n + 3, n + 1))
+        return self.outs[n]
 
     def _mark(self, i: int):
         if not self.cuda:
@@ -171,7 +183,7 @@ class _DeviceRound:
         out = model(batch, cache, all_logits=True, hidden=hidden)
         logits, h = out if hidden else (out, None)
         rb = self.readbacks.get(n) or self.readbacks.setdefault(n, Readback(self.device, (2 * n + 3,), torch.long))
-        result, kept_dev = accept_on_device(logits, tokens, valid, sampler, alpha, self.scratch)
+        result, kept_dev = accept_on_device(logits, tokens, valid, sampler, alpha, self.scratch, self._outputs(n))
         t2 = self._mark(2)  # before the readback's own event: done when the read returns, so readable
         rb.start(result)
         prepare = getattr(winner, "prepare", None)
