@@ -354,8 +354,6 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
                 for s in chain})))
     if queued is not None:  # queued after the stop token that ended the loop: not part of the output
         cache.truncate(queued[0])
-    if rounds is not None:  # (none is launched after the last round; a raised error may leave one)
-        rounds.cancel(chain)
     bar.close()
     sync_device(dev)
     t2 = time.perf_counter()
