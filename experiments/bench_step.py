@@ -219,8 +219,8 @@ def main(argv=None) -> None:
     host = med["wall"] - med["gpu"]
     print(f"{args.model} {args.device} context {args.context}: median step {1e3 * med['wall']:.3f} ms, "
           f"GPU alone {1e3 * med['gpu']:.3f} ms, host adds {1e3 * host:.3f} ms per token")
-    print(f"generate(): {1e3 * med['generate_s']:.3f} ms per step ({1 / med['generate_s']:.1f} tok/s); its greedy "
-          f"graph alone {1e3 * med['gpu_greedy']:.3f} ms")
+    greedy = "" if pd.isna(med["gpu_greedy"]) else f"; its greedy graph alone {1e3 * med['gpu_greedy']:.3f} ms"
+    print(f"generate(): {1e3 * med['generate_s']:.3f} ms per step ({1 / med['generate_s']:.1f} tok/s){greedy}")
     print("host phases (median ms): " + ", ".join(f"{p} {1e3 * med[p]:.3f}" for p in PHASES if p in med))
     print(f"wrote {out / name}")
     if kernels is not None:

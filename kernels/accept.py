@@ -47,13 +47,13 @@ def _accept_kernel(logits, V, stride_l, tokens, valid, keep, scratch, result, ke
         top = index_of(top_key)
         d = o < n
         tok = tl.load(tokens + o, mask=d, other=0)
-        ok = tl.load(valid + o, mask=d, other=0) != 0
+        is_valid = tl.load(valid + o, mask=d, other=0) != 0
         if SYNTHETIC:
-            ok = ok & (tl.load(keep + o, mask=d, other=0) != 0)
+            ok = is_valid & (tl.load(keep + o, mask=d, other=0) != 0)
         else:
-            ok = ok & (tok == top)
+            ok = is_valid & (tok == top)
         accepted = tl.min(tl.where(d & ~ok, o, n), axis=0)  # the first token not kept (n: all kept)
-        n_valid = tl.sum((tl.load(valid + o, mask=d, other=0) != 0).to(tl.int64), axis=0)
+        n_valid = tl.sum(is_valid.to(tl.int64), axis=0)
         tl.store(result, accepted.to(tl.int64))
         tl.store(result + 1, n_valid)
         tl.store(result + 2 + o, tok, mask=d)
@@ -76,8 +76,8 @@ def accept(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, keep
            kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(result int64 [2n + 3], kept int64 [1 + n]) of the verify ``logits`` [1 + n, V] (fp32, rows
     contiguous) for the drafted ``tokens`` int64 [n] (module docstring). ``scratch``: made by
-    ``scratch_for(1 + n, ...)`` (its counter sits right after the rows; one launch at a time);
-    ``result`` / ``kept``: buffers to write (else new ones)."""
+    ``scratch_for(rows, ...)`` with rows >= 1 + n (one launch at a time); ``result`` / ``kept``:
+    buffers to write (else new ones)."""
     n = tokens.shape[0]
     if logits.dim() != 2 or logits.shape[0] != n + 1 or logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError(f"accept needs fp32 logits [1 + n, V] with contiguous rows for {n} tokens, got "

@@ -328,7 +328,8 @@ class GenerateConfig:
     ignore_eos: bool = False    # keep generating past end-of-generation tokens
 
     def __post_init__(self):
-        if self.spec.draft.weights == "q8_0_int8" and not self.model.gemv and "draft" in parse_chain_spec(self.spec.type):
+        drafts = "draft" in parse_chain_spec(self.spec.type)
+        if drafts and self.spec.draft.weights == "q8_0_int8" and not self.model.gemv:
             raise ValueError("spec.draft.weights=q8_0_int8 multiplies the draft's decode rows in int8 in model.gemv's "
                              "kernel: set model.gemv=true (or spec.draft.weights=q8_0)")
         if self.max_new_tokens < 1:

@@ -687,7 +687,7 @@ def test_a_step_that_stages_its_successor_leaves_the_host_nothing_to_stage(model
     c = paged(model, mode, **({} if mode == "resident" else {"mib": small_arena_mib(model, 4, 4), "ring": 4}))
     if ops == "kernel":
         if torch.cuda.is_available():  # (the interpreter runs it on these CPU tensors only where it is on)
-            pytest.skip("the kernel on a CPU cache needs the Triton interpreter; on CUDA test_cuda's greedy decode runs it")
+            pytest.skip("the kernel on a CPU cache needs the Triton interpreter; test_cuda's greedy decode runs it")
         from kernels.stage import stage_rows
         c.ops.stage_rows = stage_rows
     prefill(model, c, torch.zeros(1000, dtype=torch.long).tolist(), CHUNK)
