@@ -4,8 +4,9 @@ Triton compiles for a target, not for a device: this builds ``_decode_attention_
 sm_90 with the pointer and stride divisibility a real launch specializes on (without it the
 tiles compile to byte loads), disassembles the cubin with the nvdisasm bundled in Triton, and
 prints the registers, the shared memory, the shared-memory layouts the TTGIR chose, and the
-instruction mix of the key loop's body (its largest backward branch). Counts per thread per
-tile; the loop is what runs per 64 or 128 keys.
+instruction mix of the key loop's body: the loop over whole tiles, which needs no masks (the
+masked loop over a range's last tiles is counted beside it). Counts per thread per tile; the
+loop is what runs per 64 or 128 keys.
 
     python -m experiments.kernel_sass                       # q8_0/q4_0, n_q 1 and 6
     python -m experiments.kernel_sass --pair q8_0 q8_0 --n-q 1 2 --out /tmp/sass
@@ -116,16 +117,24 @@ def disassemble(compiled) -> tuple[str, str]:
     return sass, res
 
 
-def loop_body(sass: str) -> list[str]:
-    """The instructions of the largest loop: from a label to the branch back to it."""
+def loops(sass: str, least: int = 100) -> list[list[str]]:
+    """The instructions of every loop of at least ``least`` instructions (from a label to the branch
+    back to it), in program order."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
-    best = (0, -1)
+    found = []
     for i, line in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
-            best = (labels[m.group(1)], i)
-    return [line for line in lines[best[0]:best[1] + 1] if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+        if m and labels.get(m.group(1), i) < i:
+            body = [x for x in lines[labels[m.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x)]
+            if len(body) >= least:
+                found.append((labels[m.group(1)], body))
+    return [body for _, body in sorted(found, key=lambda f: f[0])]
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the largest loop."""
+    return max(loops(sass, 0), key=len, default=[])
 
 
 def opcode(line: str, full: bool = False) -> str:
@@ -136,15 +145,18 @@ def opcode(line: str, full: bool = False) -> str:
 def report(pair, n_q, out=None) -> dict:
     c = compile_decode(pair, n_q)
     sass, res = disassemble(c)
-    body = loop_body(sass)
+    # the key loops in program order: the whole tiles without masks, then the masked last tiles
+    body, *edges = loops(sass)
     mix = collections.Counter(opcode(line) for line in body)
     shared = collections.Counter(opcode(line, full=True) for line in body if re.search(SHARED_OPS, line))
     layouts = sorted(set(re.findall(r"#ttg\.swizzled_shared<\{[^}]*\}>", c.asm["ttgir"])))
     regs = re.search(r"REG:(\d+)", res)
     row = dict(pair="/".join(pair), n_q=n_q, registers=int(regs.group(1)) if regs else None,
-               shared_bytes=c.metadata.shared, loop_instructions=len(body))
+               shared_bytes=c.metadata.shared, loop_instructions=len(body),
+               edge_loop_instructions=len(edges[0]) if edges else None)
     print(f"{row['pair']} n_q={n_q}: {row['registers']} registers, {row['shared_bytes']} B shared, "
-          f"loop body {len(body)} instructions")
+          f"loop body {len(body)} instructions (whole tiles; the masked last tiles' loop "
+          f"{row['edge_loop_instructions']})")
     print("  mix:   " + ", ".join(f"{k} {n}" for k, n in mix.most_common(16)))
     print("  shared:" + ", ".join(f" {k} {n}" for k, n in sorted(shared.items())))
     print("  layouts: " + "; ".join(layouts))

@@ -78,8 +78,17 @@ def _dequant(b_q, b_s, KIND: tl.constexpr, OUT_DTYPE: tl.constexpr, ASM: tl.cons
 
 
 @triton.jit
+def _load(p, mask, MASKED: tl.constexpr):
+    """p's elements; masked-off ones read as 0 when MASKED."""
+    if MASKED:
+        return tl.load(p, mask=mask, other=0)
+    return tl.load(p)
+
+
+@triton.jit
 def _load_flat(pool, page, o_r, m_n, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_BYTES: tl.constexpr,
-               SCALE_OFF: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr, ASM: tl.constexpr):
+               SCALE_OFF: tl.constexpr, BLOCK_N: tl.constexpr, OUT_DTYPE: tl.constexpr, ASM: tl.constexpr,
+               MASKED: tl.constexpr):
     """``load_tile(FLAT=True)`` of a q8_0 / q4_0 page: the quants through 2-D pointers; the
     scales load as [BLOCK_N, NB] and broadcast in registers (2-D scale pointers made Triton
     load every element's scale separately)."""
@@ -90,14 +99,14 @@ def _load_flat(pool, page, o_r, m_n, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, 
     p_page = pool + page * PAGE_BYTES
     p_s = (p_page + SCALE_OFF).to(tl.pointer_type(tl.float16))
     o_b = tl.arange(0, NB)[None, :]
-    b_s = tl.load(p_s + o_r[:, None] * NB + o_b, mask=m_n[:, None] & (o_b >= 0), other=0.0)
+    b_s = _load(p_s + o_r[:, None] * NB + o_b, m_n[:, None] & (o_b >= 0), MASKED)
     b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, NB, 16)), (BLOCK_N, HD2))
     if FMT == 1:  # q8_0: the lo half's column c is element (c // 16) * 32 + c % 16 of the row
         p_q = p_page + o_r[:, None] * HEAD_DIM + (o_c // 16) * 32 + o_c % 16
-        b_lo = _dequant(tl.load(p_q, mask=m_e, other=0), b_s, 1, OUT_DTYPE, ASM)
-        b_hi = _dequant(tl.load(p_q + 16, mask=m_e, other=0), b_s, 1, OUT_DTYPE, ASM)
+        b_lo = _dequant(_load(p_q, m_e, MASKED), b_s, 1, OUT_DTYPE, ASM)
+        b_hi = _dequant(_load(p_q + 16, m_e, MASKED), b_s, 1, OUT_DTYPE, ASM)
     else:  # q4_0: byte c of the row holds the lo half's column c (low nibble) and the hi half's
-        b_q = tl.load(p_page + o_r[:, None] * HD2 + o_c, mask=m_e, other=0)
+        b_q = _load(p_page + o_r[:, None] * HD2 + o_c, m_e, MASKED)
         b_lo = _dequant(b_q, b_s, 2, OUT_DTYPE, ASM)
         b_hi = _dequant(b_q, b_s, 3, OUT_DTYPE, ASM)
     return b_lo, b_hi
@@ -117,6 +126,7 @@ def load_tile(
     OUT_DTYPE: tl.constexpr,
     ASM: tl.constexpr,
     FLAT: tl.constexpr = False,
+    MASKED: tl.constexpr = True,
 ):
     """Rows [row0, row0 + BLOCK_N) of a page, dequantized to OUT_DTYPE (exact, then one
     rounding), as halves (lo, hi), each [BLOCK_N, HEAD_DIM // 2]: lo holds elements 0..15 of
@@ -126,30 +136,32 @@ def load_tile(
     ones reshaped after the load. For a tile that feeds tl.dot, Triton then swizzles the
     bytes it stages in shared memory; the 3-D form got an unswizzled layout, whose bank
     conflicts made decode attention 11-27% slower (kernels/NOTES.md). Gather has no shared
-    memory stage: it keeps the 3-D form."""
+    memory stage: it keeps the 3-D form. MASKED=False: every row is loaded (``m_n`` unread),
+    which saves the predicates of a tile known to be whole."""
     NB: tl.constexpr = HEAD_DIM // 32
     o_r = row0 + tl.arange(0, BLOCK_N)  # int32: offsets inside a page
     if FLAT and FMT != 0:
-        return _load_flat(pool, page, o_r, m_n, FMT, HEAD_DIM, PAGE_BYTES, SCALE_OFF, BLOCK_N, OUT_DTYPE, ASM)
+        return _load_flat(pool, page, o_r, m_n, FMT, HEAD_DIM, PAGE_BYTES, SCALE_OFF, BLOCK_N, OUT_DTYPE, ASM,
+                          MASKED)
     o_e = tl.arange(0, NB)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]  # [1, NB, 16]
     m_e = m_n[:, None, None] & (o_e >= 0)
     p_page = pool + page * PAGE_BYTES
     if FMT == 0:  # f16
         p_e = p_page.to(tl.pointer_type(tl.float16)) + o_r[:, None, None] * HEAD_DIM + o_e
-        b_lo = tl.load(p_e, mask=m_e, other=0.0).to(OUT_DTYPE)
-        b_hi = tl.load(p_e + 16, mask=m_e, other=0.0).to(OUT_DTYPE)
+        b_lo = _load(p_e, m_e, MASKED).to(OUT_DTYPE)
+        b_hi = _load(p_e + 16, m_e, MASKED).to(OUT_DTYPE)
     else:
         p_s = (p_page + SCALE_OFF).to(tl.pointer_type(tl.float16))
         o_b = tl.arange(0, NB)[None, :]
-        b_s = tl.load(p_s + o_r[:, None] * NB + o_b, mask=m_n[:, None] & (o_b >= 0), other=0.0)
+        b_s = _load(p_s + o_r[:, None] * NB + o_b, m_n[:, None] & (o_b >= 0), MASKED)
         b_s = b_s[:, :, None]  # [BLOCK_N, NB, 1] fp16
         if FMT == 1:  # q8_0: int8 quants, element e of the row at byte e
             p_q = p_page + o_r[:, None, None] * HEAD_DIM + o_e
-            b_lo = _dequant(tl.load(p_q, mask=m_e, other=0), b_s, 1, OUT_DTYPE, ASM)
-            b_hi = _dequant(tl.load(p_q + 16, mask=m_e, other=0), b_s, 1, OUT_DTYPE, ASM)
+            b_lo = _dequant(_load(p_q, m_e, MASKED), b_s, 1, OUT_DTYPE, ASM)
+            b_hi = _dequant(_load(p_q + 16, m_e, MASKED), b_s, 1, OUT_DTYPE, ASM)
         else:  # q4_0: byte j of a block = element j (low nibble) | element j + 16 (high)
             o_q = tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-            b_q = tl.load(p_page + o_r[:, None, None] * (HEAD_DIM // 2) + o_q, mask=m_e, other=0)
+            b_q = _load(p_page + o_r[:, None, None] * (HEAD_DIM // 2) + o_q, m_e, MASKED)
             b_lo = _dequant(b_q, b_s, 2, OUT_DTYPE, ASM)
             b_hi = _dequant(b_q, b_s, 3, OUT_DTYPE, ASM)
     return tl.reshape(b_lo, (BLOCK_N, HEAD_DIM // 2)), tl.reshape(b_hi, (BLOCK_N, HEAD_DIM // 2))

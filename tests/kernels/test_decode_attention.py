@@ -73,10 +73,13 @@ def test_kernel_matches_reference(case, make_pool, gen, device):
     ("q8_0", 1, 1, None, None, None), ("q4_0", 255, 6, None, None, 2),
     ("f16", 256, 3, None, None, None), ("q8_0", 257, 6, None, None, 3),
     ("q4_0", 3001, 4, 700, None, 5), ("q8_0", 3001, 2, 255, 2049, 7),
-    ("q8_0", 600, 5, 597, None, 1), ("q4_0", 600, 16, None, 590, 2)])
+    ("q8_0", 600, 5, 597, None, 1), ("q4_0", 600, 16, None, 590, 2),
+    # the whole tiles' loop (no masks) ends exactly at a tile edge: the causal edge, the key range's end
+    ("q8_0", 1039, 16, None, None, 3), ("q4_0", 1100, 2, 64, 768, 4)])
 def test_visible_keys_exact(kt, L, n_q, key_start, key_end, n_splits, make_pool, gen, device):
     """Every K row equal -> every visible key gets weight exactly 1, so each output row is
-    the plain mean of the V rows it may see (causal, key range, splits). f16 V and P = 1 are
+    the plain mean of the V rows it may see (causal, key range, splits; the kernel masks only the
+    tiles a range's edges cut, so a key dropped or added at an edge shows). f16 V and P = 1 are
     exact in fp16, so only fp32 summation order remains (1e-5); one key missing or extra at
     L = 3001 moves the mean by ~1e-4 * max|V| or more."""
     head_dim, n_kv_heads, gqa = 128, 2, 7
