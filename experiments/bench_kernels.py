@@ -162,13 +162,13 @@ def bench_store(t, n, gen, rows):
 # ---- launch-table sweep -------------------------------------------------------------------
 
 # (n_q, variants) per LAUNCH row; each list starts and ends with the current launch (drift check).
-# Registers from experiments/kernel_sass.py (triton 3.6, sm_90, q8_0/q4_0): n_q 1 194 (current),
-# 142 with 32-key tiles, 140 with 4 warps, 102-116 with 8 / 4 warps and 32 keys; n_q 4 255
-# (current); n_q 6 248 (current), 185 with 64-key tiles. maxnreg caps them (spills shown there).
+# Registers from experiments/kernel_sass.py (triton 3.6, sm_90, q8_0/q4_0, whole tiles unmasked): n_q 1
+# 168 (current; 36.7 warp-instructions a key), 255 with one warp (31.6 a key with 64-key tiles, 26.0 with
+# 128, 2 spill instructions; 8 programs fit an SM); n_q 6 254 (current), 189 with 64-key tiles; one or two
+# warps spill at n_q 6. maxnreg caps them (spills shown there).
 SWEEP = [
-    (1, [da.Launch(64, 2, 2, 4), da.Launch(64, 2, 2, 6, 168), da.Launch(64, 2, 2, 8, 128),
-         da.Launch(32, 2, 2, 8), da.Launch(32, 2, 2, 8, 128), da.Launch(64, 4, 2, 4),
-         da.Launch(64, 4, 2, 4, 128), da.Launch(32, 4, 2, 8), da.Launch(64, 8, 2, 2),
+    (1, [da.Launch(64, 2, 2, 4), da.Launch(64, 1, 2, 8), da.Launch(64, 1, 2, 6), da.Launch(128, 1, 2, 8),
+         da.Launch(128, 1, 2, 4), da.Launch(64, 2, 2, 6, 168), da.Launch(32, 2, 2, 8), da.Launch(64, 4, 2, 4),
          da.Launch(64, 2, 2, 4)]),
     (4, [da.Launch(64, 2, 2, 4), da.Launch(64, 4, 2, 4), da.Launch(64, 4, 2, 4, 128),
          da.Launch(32, 2, 2, 8, 128), da.Launch(32, 4, 2, 8), da.Launch(64, 8, 2, 2),
