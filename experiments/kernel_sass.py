@@ -10,6 +10,8 @@ loop is what runs per 64 or 128 keys.
 
     python -m experiments.kernel_sass                       # q8_0/q4_0, n_q 1 and 6
     python -m experiments.kernel_sass --pair q8_0 q8_0 --n-q 1 2 --out /tmp/sass
+    python -m experiments.kernel_sass --all-pairs --csv loops.csv    # every pair, rows with the commit
+    python -m experiments.kernel_sass --report a.csv b.csv           # commits side by side
     python -m experiments.kernel_sass --q8-gemv 16 512 4 [--int8 | --xq]   # kernels/q8_gemv.py's loop, one row
 
 Match the device's Triton version (3.6 on the H200 the results come from): another version
@@ -56,7 +58,10 @@ def _compile(kern, const: dict, types, aligned, arch: int, **options):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def compile_decode(pair, n_q, n_heads=12, n_kv_heads=2, head_dim=128, arch=90):
+N_HEADS, N_KV_HEADS, HEAD_DIM = 12, 2, 128  # Qwen2.5-Coder-1.5B's attention
+
+
+def compile_decode(pair, n_q, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, arch=90):
     """The decode kernel as ``decode_attention`` launches it for these shapes (its LAUNCH row)."""
     kf, vf = PageFormat(pair[0], n_kv_heads, head_dim), PageFormat(pair[1], n_kv_heads, head_dim)
     gqa = n_heads // n_kv_heads
@@ -151,7 +156,9 @@ def report(pair, n_q, out=None) -> dict:
     shared = collections.Counter(opcode(line, full=True) for line in body if re.search(SHARED_OPS, line))
     layouts = sorted(set(re.findall(r"#ttg\.swizzled_shared<\{[^}]*\}>", c.asm["ttgir"])))
     regs = re.search(r"REG:(\d+)", res)
-    row = dict(pair="/".join(pair), n_q=n_q, registers=int(regs.group(1)) if regs else None,
+    launch = da.LAUNCH[da.block_rows(n_q, N_HEADS // N_KV_HEADS)]
+    row = dict(pair="/".join(pair), n_q=n_q, block_n=launch.block_n, num_warps=launch.num_warps,
+               registers=int(regs.group(1)) if regs else None,
                shared_bytes=c.metadata.shared, loop_instructions=len(body),
                edge_loop_instructions=len(edges[0]) if edges else None)
     print(f"{row['pair']} n_q={n_q}: {row['registers']} registers, {row['shared_bytes']} B shared, "
@@ -169,20 +176,51 @@ def report(pair, n_q, out=None) -> dict:
     return row
 
 
+PAIRS = [("q8_0", "q4_0"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("f16", "f16")]
+
+
+def compare(paths: list[str]) -> "pd.DataFrame":
+    """The loop's instructions per thread per tile and warp-instructions per key of each (pair, n_q), one
+    column pair per commit, from ``--csv`` files."""
+    import pandas as pd
+
+    df = pd.concat([pd.read_csv(f) for f in paths], ignore_index=True)
+    df["per_key"] = df.loop_instructions * df.num_warps / df.block_n
+    table = df.pivot_table(index=["pair", "n_q"], columns="commit", values=["loop_instructions", "per_key"],
+                           sort=False)
+    return table.round(1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pair", nargs=2, default=["q8_0", "q4_0"], metavar=("K", "V"), help="K and V page types")
+    p.add_argument("--all-pairs", action="store_true", help=f"every pair of {PAIRS} instead of --pair")
     p.add_argument("--n-q", type=int, nargs="+", default=[1, 6], help="query rows (1 + draft tokens)")
     p.add_argument("--out", help="also write each kernel's SASS, TTGIR and PTX here")
+    p.add_argument("--csv", help="also write the rows (with the commit and versions) to this CSV")
+    p.add_argument("--report", nargs="+", metavar="CSV", help="instead: compare --csv files (commits side by side)")
     p.add_argument("--q8-gemv", type=int, nargs=3, metavar=("ROWS", "BLOCK_K", "WARPS"),
                    help="instead: kernels/q8_gemv.py's loop at this launch")
     p.add_argument("--int8", action="store_true", help="--q8-gemv: the int8 dot (model.weights=q8_0_int8)")
     p.add_argument("--xq", action="store_true", help="--q8-gemv: the int8 dot with x's q8_0 blocks given")
     args = p.parse_args(argv)
+    if args.report:
+        table = compare(args.report)
+        print(table.to_string())
+        return table
     print(f"triton {triton.__version__}, sm_90")
     if args.q8_gemv:
         return [q8_gemv_report(*args.q8_gemv, args.int8, args.xq)]
-    return [report(tuple(args.pair), n_q, args.out) for n_q in args.n_q]
+    pairs = PAIRS if args.all_pairs else [tuple(args.pair)]
+    rows = [report(pair, n_q, args.out) for pair in pairs for n_q in args.n_q]
+    if args.csv:
+        import pandas as pd
+
+        from experiments.common import kernel_provenance
+
+        prov = {k: v for k, v in kernel_provenance().items() if k not in ("gpu", "torch")}  # compiled, not run
+        pd.DataFrame([{**r, **prov} for r in rows]).to_csv(args.csv, index=False)
+    return rows
 
 
 if __name__ == "__main__":
