@@ -186,6 +186,7 @@ def compare(paths: list[str]) -> "pd.DataFrame":
 
     df = pd.concat([pd.read_csv(f) for f in paths], ignore_index=True)
     df["per_key"] = df.loop_instructions * df.num_warps / df.block_n
+    df["commit"] = df.commit.str[:7]
     table = df.pivot_table(index=["pair", "n_q"], columns="commit", values=["loop_instructions", "per_key"],
                            sort=False)
     return table.round(1)

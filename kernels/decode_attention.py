@@ -214,8 +214,8 @@ def _decode_attention_kernel(
         b_acc_lo = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
         b_acc_hi = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     # tiles whose keys all lie in [ks, ke) and at or before every query's position need no mask:
-    # the predicated loads, the causal select and the guard for rows with nothing seen are 12-20%
-    # of the loop's sm_90 instructions at n_q = 1 and 21-33% at n_q = 6 (experiments/kernel_sass.py).
+    # the predicated loads, the causal select and the guard for rows with nothing seen are 12-21%
+    # of the loop's sm_90 instructions at n_q = 1 and 21-34% at n_q = 6 (results/kernels/sass).
     # Only a range's first tile and its last one or two can be partial (run unpipelined), and the
     # tiles keep the one loop's order, so every sum is as before
     t_a = tl.minimum(tl.maximum((ks + BLOCK_N - 1) // BLOCK_N, t0), t1)

@@ -4,8 +4,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import triton
+
+from experiments import kernel_sass
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(triton.backends.nvidia.__file__).parent / "bin"
@@ -15,11 +18,17 @@ BIN = Path(triton.backends.nvidia.__file__).parent / "bin"
 def test_kernel_sass_reports_the_loop_of_an_sm90_build(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, not the interpreter
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-m", "experiments.kernel_sass", "--n-q", "1", "--out", str(tmp_path)],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    csv = tmp_path / "loops.csv"
+    r = subprocess.run([sys.executable, "-m", "experiments.kernel_sass", "--n-q", "1", "--out", str(tmp_path),
+                        "--csv", str(csv)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     # the key loop holds the tensor-core dots and the tile's shared-memory reads, whatever the version
     assert "q8_0/q4_0 n_q=1" in r.stdout and "HMMA" in r.stdout and "LDS" in r.stdout, r.stdout
+    # two loops: the whole tiles', without the causal select's compare-and-select, and the masked last tiles'
+    row = pd.read_csv(csv).iloc[0]
+    assert row.pair == "q8_0/q4_0" and row.block_n == 64 and 0 < row.loop_instructions < row.edge_loop_instructions
+    table = kernel_sass.compare([str(csv)])
+    assert table.loc[("q8_0/q4_0", 1), ("per_key", row.commit[:7])] == round(row.loop_instructions * row.num_warps / 64, 1)
     sass = (tmp_path / "decode_q8_0_q4_0_nq1.sass").read_text()
     assert "HMMA" in sass and (tmp_path / "decode_q8_0_q4_0_nq1.ttgir").stat().st_size > 0
 
