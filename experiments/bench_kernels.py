@@ -3,13 +3,16 @@
 Shapes of Qwen2.5-Coder-1.5B, one layer: 12 query heads, 2 KV heads, head_dim 128.
 Contexts 1K..128K, n_q 1 and 6, every K/V type pair. Random data (never zeros).
 
-Each case is timed two ways:
+Each case is timed two ways (decode attention three):
 - ``graph``: the calls of several input sets (pages / tensors of their own, so that the
   working set is >= ~512 MB, well past the 60 MB L2) captured in one CUDA graph; replay
   time / sets, median of the replays. GPU time without host launch gaps: bandwidth numbers
   use it.
 - ``eager``: ``triton.testing.do_bench`` median of one call (L2 flushed before each call),
   host launch overhead included: what an uncaptured step pays.
+- ``graph_pdl`` (decode attention, sm_90+): as ``graph``, the attention and merge kernels launched
+  as programmatic dependents, as a decode step with ``model.gemv`` launches them (each one's launch
+  overlaps the kernel before it; ``frac_sized_copy_pdl``).
 Baselines in the same run: torch SDPA (flash backend, enable_gqa) on contiguous fp16 K/V of
 the same length, and gather (our kernel, to fp16) + the same SDPA. Ceilings measured in the
 same run: device-to-device copy (bytes read + written) and a read-only sum, over 1 GiB; and
@@ -57,6 +60,7 @@ from kernels import decode_attention as da  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
 from kernels.formats import PAGE_TOKENS, PageFormat  # noqa: E402
 from kernels.gather import gather  # noqa: E402
+from kernels.pdl import supported as pdl_supported  # noqa: E402
 from kernels.store import store  # noqa: E402
 
 
@@ -77,10 +81,13 @@ def bench_decode(pair, L, n_qs, gen, ceil, sdpa_us, rows, baselines=True):
     for n_q in n_qs:
         qs = [torch.randn(n_q, N_HEADS, HEAD_DIM, device=DEV, generator=gen).half() for _ in range(sets)]
         outs = [torch.empty_like(q) for q in qs]
-        call = lambda i: (lambda: decode_attention(qs[i], kp, vp, tables[i], lens[i], kf, vf,  # noqa: E731
-                                                   out=outs[i]))
+        call = lambda i, pdl=False: (lambda: decode_attention(qs[i], kp, vp, tables[i], lens[i], kf, vf,  # noqa: E731
+                                                              out=outs[i], pdl=pdl))
         t_graph = time_graph([call(i) for i in range(sets)])
         t_eager = time_eager(call(0))
+        # as a decode step launches it (model.gemv): attention and merge as programmatic dependents, each
+        # launched while the kernel before it runs (kernels/pdl.py; CUDA only)
+        t_pdl = time_graph([call(i, True) for i in range(sets)]) if pdl_supported(DEV) else float("nan")
         splits = da.splits_for(n_q, N_HEADS, N_KV_HEADS, L, DEV)
         extra = 2 * n_q * N_HEADS * HEAD_DIM * 2 + 4 * pages
         if splits > 1:
@@ -103,10 +110,11 @@ def bench_decode(pair, L, n_qs, gen, ceil, sdpa_us, rows, baselines=True):
         base = sdpa_us.get((L, n_q), float("nan"))
         rows.append(dict(
             k_type=pair[0], v_type=pair[1], context=L, n_q=n_q, n_splits=splits, sets=sets,
-            us_graph=t_graph, us_eager=t_eager, kv_bytes=kv_bytes(L, kf, vf), bytes=nbytes,
+            us_graph=t_graph, us_eager=t_eager, us_graph_pdl=t_pdl, kv_bytes=kv_bytes(L, kf, vf), bytes=nbytes,
             gbps=gbps, frac_copy=gbps / ceil["copy_gbps"], frac_read=gbps / ceil["read_gbps"],
             sized_copy_gbps=sized_copy_gbps(kv_bytes(L, kf, vf)),
             frac_sized_copy=kv_bytes(L, kf, vf) / t_graph / 1e3 / sized_copy_gbps(kv_bytes(L, kf, vf)),
+            frac_sized_copy_pdl=kv_bytes(L, kf, vf) / t_pdl / 1e3 / sized_copy_gbps(kv_bytes(L, kf, vf)),
             floor_us=nbytes / ceil["read_gbps"] / 1e3, sdpa_us=base, gather_sdpa_us=t_gs,
             speedup_vs_sdpa=base / t_graph))
 
@@ -267,14 +275,15 @@ def plot(dec, gat, path):
 
 def summary(dec, gat, ceil):
     print(f"\nceilings: copy {ceil['copy_gbps']:.0f} GB/s, read {ceil['read_gbps']:.0f} GB/s")
-    print(f"{'pair':11} {'ctx':>6} {'n_q':>3} {'us':>8} {'eager':>8} {'%copy':>6} {'%sized':>6} {'xSDPA':>6} {'6/1':>5}")
+    print(f"{'pair':11} {'ctx':>6} {'n_q':>3} {'us':>8} {'eager':>8} {'%copy':>6} {'%sized':>6} {'xSDPA':>6} {'6/1':>5} "
+          f"{'us pdl':>7} {'%sized':>6}")
     for _, r in dec[dec.context >= min(32768, dec.context.max())].iterrows():
         one = dec[(dec.k_type == r.k_type) & (dec.v_type == r.v_type) & (dec.context == r.context)
                   & (dec.n_q == 1)]
         ratio = r.us_graph / one.us_graph.iloc[0] if len(one) else float("nan")
         print(f"{r.k_type + '/' + r.v_type:11} {r.context:>6} {r.n_q:>3} {r.us_graph:>8.1f} "
               f"{r.us_eager:>8.1f} {100 * r.frac_copy:>5.0f}% {100 * r.frac_sized_copy:>5.0f}% "
-              f"{r.speedup_vs_sdpa:>6.2f} {ratio:>5.2f}")
+              f"{r.speedup_vs_sdpa:>6.2f} {ratio:>5.2f} {r.us_graph_pdl:>7.1f} {100 * r.frac_sized_copy_pdl:>5.0f}%")
     for _, r in gat[gat.context == gat.context.max()].iterrows():
         print(f"gather {r['type']:5} ctx {r.context}: {r.us_graph:.1f} us, {100 * r.frac_copy:.0f}% of copy, "
               f"{100 * r.frac_sized_copy:.0f}% of a copy of its size")

@@ -23,4 +23,7 @@ def test_bench_kernels_quick(tmp_path):
     assert (len(asm.splitlines()) > 1) if torch.cuda.is_available() else asm == ""
     dec = pd.read_csv(tmp_path / "decode_attention.csv")
     assert len(dec) == 4 * 2 and (dec.us_graph > 0).all()  # every type pair, n_q 1 and 2
+    # the programmatic-dependent timing: where launches can be dependents (sm_90+), else not taken
+    pdl = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    assert (dec.us_graph_pdl > 0).all() if pdl else dec.us_graph_pdl.isna().all()
     assert "--quick" in (tmp_path / "command.txt").read_text()
