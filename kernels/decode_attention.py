@@ -39,6 +39,7 @@ import triton.language as tl
 from kernels.formats import PAGE_TOKENS, PageFormat
 from kernels.gather import load_tile, use_asm
 from kernels.pdl import kwargs as pdl_kwargs, wait_then_release
+from kernels.q8_gemv import QK, q8_quant, q8_scale
 from kernels.reference import LOG2E, Partials
 from kernels.store import check_pool
 
@@ -259,6 +260,8 @@ def _merge_kernel(
     part_l,  # [n_splits, N_Q * N_HEADS] fp32
     part_acc,  # [n_splits, N_Q * N_HEADS, HEAD_DIM] fp32
     out,  # [N_Q, N_HEADS, HEAD_DIM], last dim contiguous
+    q_out,  # [N_Q, N_HEADS * HEAD_DIM] int8 (Q8): each output row's q8_0 quants
+    d_out,  # [N_Q, N_HEADS * HEAD_DIM / 32] fp16 (Q8): their scales
     n_splits,
     stride_ot,
     stride_oh,
@@ -267,6 +270,7 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    Q8: tl.constexpr,  # also the output's q8_0 blocks (BLOCK_D = 32: a program's columns are one block)
     PDL: tl.constexpr,
 ):
     wait_then_release(PDL)
@@ -293,9 +297,15 @@ def _merge_kernel(
         b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_a, 0)
         b_l = b_l * b_alpha + tl.sum(b_w * b_ls, 0)
         b_mx = b_mx_new
-    b_o = b_acc / tl.where(b_l == 0, 1.0, b_l)
+    b_o = (b_acc / tl.where(b_l == 0, 1.0, b_l)).to(out.dtype.element_ty)
     p_o = out + (i_r // N_HEADS) * stride_ot + (i_r % N_HEADS) * stride_oh + o_d
-    tl.store(p_o, b_o.to(out.dtype.element_ty))
+    tl.store(p_o, b_o)
+    if Q8:  # the rounded output's block, as the output projection's programs would quantize it (gguf's codec)
+        f = b_o.to(tl.float32)
+        b_d, inv = q8_scale(tl.max(tl.abs(f), 0))
+        row = (i_r // N_HEADS) * (N_HEADS * HEAD_DIM) + (i_r % N_HEADS) * HEAD_DIM  # the [N_Q, H * D] row's offset
+        tl.store(q_out + row + o_d, q8_quant(f * inv).to(tl.int8))
+        tl.store(d_out + (row + tl.program_id(1) * BLOCK_D) // BLOCK_D, b_d.to(tl.float16))
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,7 +356,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      scale: float | None = None, key_start=None, key_end=None,
                      n_splits: int | None = None, return_partials: bool = False,
                      out: torch.Tensor | None = None, partials: Partials | None = None,
-                     carry: bool | None = None, pdl: bool = False):
+                     carry: bool | None = None, pdl: bool = False, q8_out: tuple | None = None):
     """Attention of q [n_q, n_heads, head_dim] over paged K/V: out [n_q, n_heads, head_dim]
     in q.dtype, or its Partials ([n_splits, n_q, n_heads(, head_dim)] fp32) when
     return_partials. seq_len, key_start, key_end: int or 1-element int tensor on q's device.
@@ -361,7 +371,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     the same order, the same sums. Earlier rounds return the state (``return_partials=True``);
     the last one (``return_partials=False``) the output, bit-identical to one call's.
     ``pdl``: this call's kernels launch as programmatic dependents of the kernel before them
-    (CUDA, ``kernels/pdl.py``)."""
+    (CUDA, ``kernels/pdl.py``). ``q8_out``: the output rows' q8_0 blocks written too (``merge``'s; the
+    output then always comes from the merge)."""
     if q.dim() != 3 or q.dtype not in Q_DTYPES or q.stride(-1) != 1:
         raise ValueError(f"q must be [n_q, n_heads, head_dim] in {Q_DTYPES} with last dim "
                          f"contiguous, got {q.dtype} {tuple(q.shape)} stride {q.stride()}")
@@ -401,7 +412,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     launch = LAUNCH[block_m]
     if n_splits is None:
         n_splits = splits_for(n_q, n_heads, h, max_keys, dev)
-    write_out = n_splits == 1 and not return_partials
+    write_out = n_splits == 1 and not return_partials and q8_out is None
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype not in Q_DTYPES or out.stride(-1) != 1:
@@ -439,15 +450,17 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if return_partials:
         return part
     if not write_out:
-        merge(part, out=out, pdl=pdl)
+        merge(part, out=out, pdl=pdl, q8_out=q8_out)
     return out
 
 
 def merge(*parts: Partials, out: torch.Tensor | None = None,
-          dtype: torch.dtype = torch.float16, pdl: bool = False) -> torch.Tensor:
+          dtype: torch.dtype = torch.float16, pdl: bool = False, q8_out: tuple | None = None) -> torch.Tensor:
     """Combine partials over disjoint key sets (any split counts) -> out [n_q, n_heads, D].
     An empty split (m = -inf, l = 0) weighs 0, and its acc is read: it must be finite (the
-    attention kernel writes zeros)."""
+    attention kernel writes zeros). ``q8_out``: (quants int8 [n_q, n_heads * D], scales fp16
+    [n_q, n_heads * D / 32]) to write the output rows' q8_0 blocks into, as ``reference.q8_rows``
+    makes them from out (the output projection's ``xq`` under ``model.weights=q8_0_int8``)."""
     if not parts:
         raise ValueError("merge needs at least one Partials")
     n_q, n_heads, d = parts[0].acc.shape[1:]
@@ -464,12 +477,18 @@ def merge(*parts: Partials, out: torch.Tensor | None = None,
     if out.shape != (n_q, n_heads, d) or out.stride(-1) != 1:
         raise ValueError(f"out must be [{n_q}, {n_heads}, {d}] with last dim contiguous, got "
                          f"{tuple(out.shape)} stride {out.stride()}")
+    if q8_out is not None:
+        want = [((n_q, n_heads * d), torch.int8), ((n_q, n_heads * d // QK), torch.float16)]
+        if MERGE_BLOCK_D != QK or [(tuple(x.shape), x.dtype) for x in q8_out] != want \
+                or not all(x.is_contiguous() and x.device == m.device for x in q8_out):
+            raise ValueError(f"q8_out must be contiguous {want} on {m.device}, got "
+                             f"{[(tuple(x.shape), x.dtype) for x in q8_out]}")
     grid = (n_q * n_heads, d // MERGE_BLOCK_D)
     most = MERGE_BLOCK_S_FEW if grid[0] * grid[1] <= _n_sm(m.device) else MERGE_BLOCK_S
     block_s = min(most, triton.next_power_of_2(m.shape[0]))
     _merge_kernel[grid](
-        m, l, acc, out, m.shape[0], out.stride(0), out.stride(1),
+        m, l, acc, out, *(q8_out or (out, out)), m.shape[0], out.stride(0), out.stride(1),
         N_ROWS=n_q * n_heads, N_HEADS=n_heads, HEAD_DIM=d, BLOCK_S=block_s,
-        BLOCK_D=MERGE_BLOCK_D, num_warps=4, **pdl_kwargs(pdl, m.device),
+        BLOCK_D=MERGE_BLOCK_D, Q8=q8_out is not None, num_warps=4, **pdl_kwargs(pdl, m.device),
     )
     return out

@@ -277,7 +277,7 @@ def test_decode_fuses_rope_into_the_store_and_equals_rope_then_attend(model, tok
     from kvstream.cache.contiguous import CacheBase
 
     fused, plain = paged(model, "resident"), paged(model, "resident")
-    plain.attend_rope = lambda *a: CacheBase.attend_rope(plain, *a)
+    plain.attend_rope = lambda *a, **kw: CacheBase.attend_rope(plain, *a, **kw)
     calls = []
     rope_store = fused.ops.rope_store
     fused.ops.rope_store = lambda *a: calls.append(a[0].shape[0]) or rope_store(*a)
@@ -291,6 +291,33 @@ def test_decode_fuses_rope_into_the_store_and_equals_rope_then_attend(model, tok
         pages = fused.tables[layer, :n].long()
         for space, fmt in (("kspace", fused.k_fmt), ("vspace", fused.v_fmt)):
             assert torch.equal(committed(getattr(fused, space)[pages], L, fmt), committed(getattr(plain, space)[pages], L, fmt))
+
+
+@pytest.mark.parametrize("mode", ["resident", "stream"])
+def test_decode_hands_the_output_projection_its_q8_blocks(tmp_path_factory, tokens, monkeypatch, mode):
+    """``model.weights=q8_0_int8`` with ``model.gemv``: a decode pass's attention gives the output projection its
+    output rows' q8_0 blocks (the merge writes them on CUDA, the reference codec here; streamed: the last round's
+    merge), and the decode equals the one whose projection quantizes its row itself, bit for bit (one codec)."""
+    m = load_model(write_tiny_model(tmp_path_factory.mktemp("q8") / "m.gguf", SPEC), weights="q8_0_int8", gemv=True)
+    make = lambda: paged(m, mode, mib=small_arena_mib(m, 6, 2), ring=2) if mode == "stream" else paged(m, mode)
+    given = []
+    attend_rope = PagedCache.attend_rope
+
+    def spy(self, *a, **kw):
+        res = attend_rope(self, *a, **kw)
+        if kw.get("q8"):
+            given.append(res[1] is not None)
+        return res
+
+    monkeypatch.setattr(PagedCache, "attend_rope", spy)
+    cache = make()
+    with_blocks = run(m, cache, tokens, decode=6)
+    assert given == [True] * 5 * SPEC.n_layers  # every decode pass of every layer, no prefill chunk
+    if mode == "stream":
+        assert cache.stats.rounds > 1  # the blocks came from a carried call's last round
+    monkeypatch.setattr(PagedCache, "attend_rope", lambda self, *a, q8=False: (attend_rope(self, *a), None)
+                        if q8 else attend_rope(self, *a))
+    assert torch.equal(run(m, make(), tokens, decode=6), with_blocks)
 
 
 def committed(pool_pages, L, fmt):

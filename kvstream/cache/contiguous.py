@@ -65,13 +65,16 @@ class CacheBase:
     def end_step(self) -> None:
         """The device side of a forward pass ends (a streaming cache joins its last copies)."""
 
-    def attend_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
+    def attend_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor, rope, q8: bool = False):
         """``attend`` for q and k heads side by side, not yet rotated (qk [n, H + KVH, D]; ``rope``:
         ``kvstream.model.layer_ops.Rope``): one RoPE over both, then ``attend``. A paged cache
-        fuses the rotation into its store."""
+        fuses the rotation into its store. ``q8``: (out, its rows' q8_0 blocks or None), the blocks
+        (``reference.q8_rows``' layout) where the attention writes them anyway (a paged decode pass's
+        merge), for the output projection's ``xq``; None here: the projection makes its own."""
         h = v.shape[1]
         qk = rope(qk)
-        return self.attend(layer, qk[:, :-h], qk[:, -h:], v)
+        out = self.attend(layer, qk[:, :-h], qk[:, -h:], v)
+        return (out, None) if q8 else out
 
     def commit(self) -> None:
         self.length += self._n

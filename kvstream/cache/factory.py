@@ -22,8 +22,8 @@ class _OneLayer(PagedCache):
     def attend(self, layer, q, k_new, v_new):
         return super().attend(0, q, k_new, v_new)
 
-    def attend_rope(self, layer, qk, v, rope):
-        return super().attend_rope(0, qk, v, rope)
+    def attend_rope(self, layer, qk, v, rope, q8=False):
+        return super().attend_rope(0, qk, v, rope, q8)
 
 
 def _scratch_cache(model, n: int, max_tokens: int, type_k: str, type_v: str, ring_pages: int | None,

@@ -20,6 +20,14 @@ def hadamard(n: int) -> torch.Tensor:
     return (h / n ** 0.5).float()
 
 
+def _blocks(out: torch.Tensor, q8_out: tuple | None) -> torch.Tensor:
+    """out, its rows' q8_0 blocks written into ``q8_out`` (``reference.q8_rows``) where given."""
+    if q8_out is not None:
+        for dst, src in zip(q8_out, reference.q8_rows(out.reshape(out.shape[0], -1))):
+            dst.copy_(src)
+    return out
+
+
 class KVOps:
     """store (alone or after RoPE) / gather / attention (in one call or in rounds) for one device.
     ``pdl``: a decode pass's kernels (RoPE + store, attention, merge) launch as programmatic
@@ -62,24 +70,29 @@ class KVOps:
         return self._round_state(q, table, k_fmt) if self.triton else []
 
     def attention_round(self, state, q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start, key_end,
-                        first: bool, last: bool) -> torch.Tensor | None:
+                        first: bool, last: bool, q8_out: tuple | None = None) -> torch.Tensor | None:
         """One round of ``attention``: keys [key_start, key_end) (page-aligned; rounds in increasing
         order, the last to the end). The last round returns the output, bit-identical to
         ``attention`` over every key (the kernel: that call's splits, each carried across the rounds
-        in ``state``; the reference: the rounds' K/V side by side, then the same computation)."""
+        in ``state``; the reference: the rounds' K/V side by side, then the same computation). ``q8_out``:
+        as ``attention``'s, written by the last round."""
         if self.triton:
             res = self._attn(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start=key_start,
-                             key_end=key_end, partials=state, carry=not first, return_partials=not last, pdl=self.pdl)
+                             key_end=key_end, partials=state, carry=not first, return_partials=not last, pdl=self.pdl,
+                             q8_out=q8_out if last else None)
             return res if last else None
         state.append(reference.range_kv(k_pool, v_pool, table, seq_len, k_fmt, v_fmt, key_start, key_end))
         if not last:
             return None
         kv = tuple(torch.cat(x) for x in zip(*state))
-        return reference.finalize(reference.decode_attention_partials(q, k_pool, v_pool, table, seq_len, k_fmt,
-                                                                      v_fmt, kv=kv)).to(q.dtype)
+        return _blocks(reference.finalize(reference.decode_attention_partials(q, k_pool, v_pool, table, seq_len, k_fmt,
+                                                                              v_fmt, kv=kv)).to(q.dtype), q8_out)
 
-    def attention(self, q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt) -> torch.Tensor:
-        """One pass over every key: out [n_q, n_heads, D] in q's dtype."""
+    def attention(self, q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, q8_out: tuple | None = None) -> torch.Tensor:
+        """One pass over every key: out [n_q, n_heads, D] in q's dtype. ``q8_out``: (quants int8 [n_q,
+        n_heads * D], scales fp16 [n_q, n_heads * D / 32]) to write out's rows' q8_0 blocks into (the
+        output projection's ``xq``; on CUDA by the attention's merge)."""
         if self.triton:
-            return self._attn(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, pdl=self.pdl)
-        return reference.decode_attention(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt).to(q.dtype)
+            return self._attn(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt, pdl=self.pdl, q8_out=q8_out)
+        return _blocks(reference.decode_attention(q, k_pool, v_pool, table, seq_len, k_fmt, v_fmt).to(q.dtype),
+                       q8_out)

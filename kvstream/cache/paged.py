@@ -175,15 +175,22 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         out = self._attend(layer, q, k_new, v_new @ r if self.rot_v else v_new)
         return out @ r if self.rot_v else out  # (its own inverse)
 
-    def attend_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
+    def attend_rope(self, layer: int, qk: torch.Tensor, v: torch.Tensor, rope, q8: bool = False):
         """``attend`` before RoPE (``CacheBase.attend_rope``): a decode pass rotates q and K and
-        stores K and V in one launch (``KVOps.rope_store``); prefill chunks and rotated pages
-        rotate first, then attend. Its decode path does not call ``attend``: a subclass that
-        overrides ``attend`` overrides this too (``factory._OneLayer``)."""
+        stores K and V in one launch (``KVOps.rope_store``), and with ``q8`` its attention's merge
+        writes the output rows' q8_0 blocks too (the output projection's ``xq``: its programs then do
+        not each quantize the row); prefill chunks and rotated pages (whose output is rotated back
+        after the merge) rotate first, then attend. Its decode path does not call ``attend``: a
+        subclass that overrides ``attend`` overrides this too (``factory._OneLayer``)."""
         if self.rot is not None or self._n > MAX_N_Q:
-            return super().attend_rope(layer, qk, v, rope)
+            return super().attend_rope(layer, qk, v, rope, q8)
         q = self.ops.rope_store(qk, v, rope, self.kspace, self.vspace, self.slots[layer], self.k_fmt, self.v_fmt)
-        return self._attention(layer, q)
+        if not q8:
+            return self._attention(layer, q)
+        n, heads, d = q.shape
+        blocks = (torch.empty((n, heads * d), dtype=torch.int8, device=q.device),
+                  torch.empty((n, heads * d // 32), dtype=torch.float16, device=q.device))
+        return self._attention(layer, q, blocks), blocks
 
     def _attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         slots = self.slots[layer]
@@ -191,8 +198,9 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         self.ops.store(self.vspace, v_new.contiguous(), slots, self.v_fmt)
         return self._attention(layer, q)
 
-    def _attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q's attention over every key of the layer, its new rows stored."""
+    def _attention(self, layer: int, q: torch.Tensor, q8_out: tuple | None = None) -> torch.Tensor:
+        """q's attention over every key of the layer, its new rows stored (``q8_out``: a decode pass's
+        output rows' q8_0 blocks written too, ``KVOps.attention``)."""
         table = self.tables[layer]
         L = self.length + self._n
         if self._n > MAX_N_Q:
@@ -205,11 +213,13 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
             if streamed and not (self._wrap and layer < self.group and r == 0):  # wait for the ring's copy
                 self.copier.wait(self._half(layer, r))
             if state is None:  # everything in one call: the resident-mode computation
-                out = self.ops.attention(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt, self.v_fmt)
+                out = self.ops.attention(q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt, self.v_fmt,
+                                         q8_out)
             else:
                 start, end = self.round_keys[r]
                 out = self.ops.attention_round(state, q, self.kspace, self.vspace, table, self.seq_len, self.k_fmt,
-                                               self.v_fmt, start, end, first=r == 0, last=r == len(self.rounds) - 1)
+                                               self.v_fmt, start, end, first=r == 0, last=r == len(self.rounds) - 1,
+                                               q8_out=q8_out)
             if streamed:
                 self.copier.release(self._half(layer, r))
             self._next_copy(layer, r)

@@ -163,8 +163,9 @@ class Qwen:
         x, delta = embedding(tokens, self.embed, self.dtype), None
         H, D = cfg.n_heads, cfg.head_dim
         qk_width = (H + cfg.n_kv_heads) * D
-        # a q8_0_int8 decode row: each norm and gate/up's SwiGLU write their rows' q8_0 blocks once for the
-        # matmuls after them (their programs would otherwise each quantize x; weights.int8_row)
+        # a q8_0_int8 decode row: each norm, a paged cache's attention merge and gate/up's SwiGLU write their
+        # rows' q8_0 blocks once for the matmuls after them (their programs would otherwise each quantize x;
+        # weights.int8_row)
         q8 = weights.int8_row(tokens, self.layers[0].wqkv, self.gemv)
         for i, L in enumerate(self.layers):
             x, h, hq = ops.add_rms_norm(x, L.attn_norm, eps, delta, q8=q8)  # the previous block's residual add too
@@ -176,8 +177,10 @@ class Qwen:
             v = qkv[:, qk_width:].view(n, cfg.n_kv_heads, D)
             if L.q_norm is not None:
                 qk = torch.cat((rms_norm(qk[:, :H], L.q_norm, eps), rms_norm(qk[:, H:], L.k_norm, eps)), 1)
-            a = cache.attend_rope(i, qk, v, rope).reshape(n, H * D)
-            x, h, hq = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a, L.wo, None, self.gemv), q8=q8)
+            # (its q8_0 blocks too, where the attention's merge writes them for the output projection)
+            a, aq = cache.attend_rope(i, qk, v, rope, q8=True) if q8 else (cache.attend_rope(i, qk, v, rope), None)
+            x, h, hq = ops.add_rms_norm(x, L.ffn_norm, eps, linear(a.reshape(n, H * D), L.wo, None, self.gemv, aq),
+                                        q8=q8)
             g, gq = swiglu(h, L.w_gate_up, ops.silu_mul, self.gemv, hq)
             delta = linear(g, L.w_down, None, self.gemv, gq)
         if not all_logits and not hidden:

@@ -214,6 +214,23 @@ def test_merge_many_splits(gen, device):
     torch.testing.assert_close(got.cpu(), reference.finalize(parts), rtol=1e-5, atol=1e-6)  # fp32 sums
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_merge_writes_the_outputs_q8_blocks(dtype, make_pool, gen, device):
+    """``q8_out``: the output rows' q8_0 blocks (the output projection's ``xq``) are gguf's codec of the
+    rounded output, bit for bit (``reference.q8_rows``), and the output is the one without them; a
+    single split's call then takes the merge too."""
+    n_q, L = 2, 700
+    q, k_pool, v_pool, table, kf, vf = make_case(make_pool, gen, device, "q8_0", "q4_0", 128, 2, 6, n_q, L, dtype)
+    for n_splits in (1, 3):
+        q8 = (torch.empty(n_q, 12 * 128, dtype=torch.int8, device=device),
+              torch.empty(n_q, 12 * 4, dtype=torch.float16, device=device))
+        out = decode_attention(q, k_pool, v_pool, table, L, kf, vf, n_splits=n_splits, q8_out=q8)
+        want_q, want_d = reference.q8_rows(out.reshape(n_q, -1).cpu())
+        assert torch.equal(q8[0].cpu(), want_q) and torch.equal(q8[1].cpu(), want_d)
+        if n_splits > 1:  # the same merge, its blocks written beside
+            assert torch.equal(out, decode_attention(q, k_pool, v_pool, table, L, kf, vf, n_splits=n_splits))
+
+
 def test_decode_rejects_bad_inputs(device):
     kf, vf = PageFormat("q8_0", 2, 64), PageFormat("q4_0", 2, 64)
     kp = torch.zeros(3, kf.page_bytes, dtype=torch.uint8, device=device)
@@ -257,6 +274,8 @@ def test_merge_rejects_bad_partials(device):
         ((part(2), part(2, h=4)), {}, r"acc \[S, 2, 3, 64\], got .* \(2, 2, 4, 64\)"),
         ((part(2),), dict(out=torch.empty(2, 3, 32, device=device)), r"out must be \[2, 3, 64\]"),
         ((part(2),), dict(out=torch.empty(2, 3, 128, device=device)[..., ::2]), "last dim contiguous"),
+        ((part(2),), dict(q8_out=(torch.empty(2, 192, dtype=torch.int8, device=device),
+                                  torch.empty(2, 6, dtype=torch.float32, device=device))), "q8_out must be contiguous"),
     ]
     for args, kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
