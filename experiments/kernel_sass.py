@@ -150,8 +150,12 @@ def opcode(line: str, full: bool = False) -> str:
 def report(pair, n_q, out=None) -> dict:
     c = compile_decode(pair, n_q)
     sass, res = disassemble(c)
-    # the key loops in program order: the whole tiles without masks, then the masked last tiles
-    body, *edges = loops(sass)
+    # the key loops in program order: the whole tiles without masks, then the masked last tiles (compile_decode
+    # builds without a key start, so no masked first-tile loop comes before them)
+    found = loops(sass)
+    if not found:
+        raise RuntimeError(f"no loop of >= 100 instructions in the {pair} n_q={n_q} build: has the kernel changed?")
+    body, *edges = found
     mix = collections.Counter(opcode(line) for line in body)
     shared = collections.Counter(opcode(line, full=True) for line in body if re.search(SHARED_OPS, line))
     layouts = sorted(set(re.findall(r"#ttg\.swizzled_shared<\{[^}]*\}>", c.asm["ttgir"])))
@@ -181,12 +185,12 @@ PAIRS = [("q8_0", "q4_0"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("f16", "f16")]
 
 def compare(paths: list[str]) -> "pd.DataFrame":
     """The loop's instructions per thread per tile and warp-instructions per key of each (pair, n_q), one
-    column pair per commit, from ``--csv`` files."""
+    column pair per commit (``+``: its tree had uncommitted changes), from ``--csv`` files."""
     import pandas as pd
 
     df = pd.concat([pd.read_csv(f) for f in paths], ignore_index=True)
     df["per_key"] = df.loop_instructions * df.num_warps / df.block_n
-    df["commit"] = df.commit.str[:7]
+    df["commit"] = df.commit.str[:7] + df.dirty.map({True: "+", False: ""})  # +: uncommitted changes
     table = df.pivot_table(index=["pair", "n_q"], columns="commit", values=["loop_instructions", "per_key"],
                            sort=False)
     return table.round(1)

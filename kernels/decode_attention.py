@@ -372,7 +372,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     the last one (``return_partials=False``) the output, bit-identical to one call's.
     ``pdl``: this call's kernels launch as programmatic dependents of the kernel before them
     (CUDA, ``kernels/pdl.py``). ``q8_out``: the output rows' q8_0 blocks written too (``merge``'s; the
-    output then always comes from the merge)."""
+    output then always comes from the merge, so with ``n_splits=1`` its last bit may differ from the
+    call's without them, which normalises in the attention kernel). Not with ``return_partials``."""
     if q.dim() != 3 or q.dtype not in Q_DTYPES or q.stride(-1) != 1:
         raise ValueError(f"q must be [n_q, n_heads, head_dim] in {Q_DTYPES} with last dim "
                          f"contiguous, got {q.dtype} {tuple(q.shape)} stride {q.stride()}")
@@ -403,6 +404,10 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if end is not None and end > max_keys:
         raise ValueError(f"page_table [{page_table.shape[0]}] covers {max_keys} tokens, the key "
                          f"range needs {end} ({-(-end // PAGE_TOKENS)} pages)")
+    if q8_out is not None:
+        if return_partials:
+            raise ValueError("q8_out is the merged output's blocks: a call that returns partials has none")
+        check_q8_out(q8_out, n_q, n_heads, d, dev)
     if carry is not None:  # rounds: the splits of one call over the whole table
         if partials is None or n_splits is not None:
             raise ValueError("rounds (carry=...) keep their state in partials= and take one call's split count")
@@ -454,6 +459,16 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return out
 
 
+def check_q8_out(q8_out: tuple, n_q: int, n_heads: int, d: int, device: torch.device) -> None:
+    """``q8_out`` must be (quants int8 [n_q, n_heads * d], scales fp16 [n_q, n_heads * d / 32]), contiguous, on
+    ``device`` (a merge program's columns are one block)."""
+    want = [((n_q, n_heads * d), torch.int8), ((n_q, n_heads * d // QK), torch.float16)]
+    if MERGE_BLOCK_D != QK or [(tuple(x.shape), x.dtype) for x in q8_out] != want \
+            or not all(x.is_contiguous() and x.device == device for x in q8_out):
+        raise ValueError(f"q8_out must be contiguous {want} on {device}, got "
+                         f"{[(tuple(x.shape), x.dtype, str(x.device)) for x in q8_out]}")
+
+
 def merge(*parts: Partials, out: torch.Tensor | None = None,
           dtype: torch.dtype = torch.float16, pdl: bool = False, q8_out: tuple | None = None) -> torch.Tensor:
     """Combine partials over disjoint key sets (any split counts) -> out [n_q, n_heads, D].
@@ -478,11 +493,7 @@ def merge(*parts: Partials, out: torch.Tensor | None = None,
         raise ValueError(f"out must be [{n_q}, {n_heads}, {d}] with last dim contiguous, got "
                          f"{tuple(out.shape)} stride {out.stride()}")
     if q8_out is not None:
-        want = [((n_q, n_heads * d), torch.int8), ((n_q, n_heads * d // QK), torch.float16)]
-        if MERGE_BLOCK_D != QK or [(tuple(x.shape), x.dtype) for x in q8_out] != want \
-                or not all(x.is_contiguous() and x.device == m.device for x in q8_out):
-            raise ValueError(f"q8_out must be contiguous {want} on {m.device}, got "
-                             f"{[(tuple(x.shape), x.dtype) for x in q8_out]}")
+        check_q8_out(q8_out, n_q, n_heads, d, m.device)
     grid = (n_q * n_heads, d // MERGE_BLOCK_D)
     most = MERGE_BLOCK_S_FEW if grid[0] * grid[1] <= _n_sm(m.device) else MERGE_BLOCK_S
     block_s = min(most, triton.next_power_of_2(m.shape[0]))

@@ -909,8 +909,9 @@ def test_gemv_decode_matches_cublas_and_graphs_bit_for_bit(tmp_path, monkeypatch
     stream = lambda: t.paged(fast, "stream", mib=t.small_arena_mib(fast, 6, 2), ring=2)
     assert torch.equal(t.run(fast, stream(), toks), eager)
     assert torch.equal(t.run(GraphedModel(fast), stream(), toks), eager)
-    if weights == "q8_0_int8":  # x's q8_0 blocks written once by the norms and gate/up's epilogue (xq) are the
-        # quants and scales each matmul's programs make themselves, summed in the same order: bit for bit
+    if weights == "q8_0_int8":  # x's q8_0 blocks written once by the norms, the attention merge and gate/up's
+        # epilogue (xq) are the quants and scales each matmul's programs make themselves, summed in the same
+        # order: bit for bit
         from kvstream.model import weights as model_weights
 
         monkeypatch.setattr(model_weights, "int8_row", lambda *a: False)

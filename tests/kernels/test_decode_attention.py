@@ -258,6 +258,11 @@ def test_decode_rejects_bad_inputs(device):
         (dict(out=torch.empty(2, 12, 128, device=device)[..., ::2]), r"out must be .* last dim contiguous"),
         (dict(out=q.to(torch.int32)), r"out must be \[2, 12, 64\] in"),
         (dict(page_table=table.to("meta")), "must share a device"),
+        (dict(q8_out=(torch.empty(2, 768, dtype=torch.int8, device=device),
+                      torch.empty(2, 12, dtype=torch.float16, device=device))), r"q8_out must be contiguous"),
+        (dict(return_partials=True, q8_out=(torch.empty(2, 768, dtype=torch.int8, device=device),
+                                            torch.empty(2, 24, dtype=torch.float16, device=device))),
+         "returns partials has none"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
