@@ -12,6 +12,7 @@ loop is what runs per 64 or 128 keys.
     python -m experiments.kernel_sass --pair q8_0 q8_0 --n-q 1 2 --out /tmp/sass
     python -m experiments.kernel_sass --all-pairs --csv loops.csv    # every pair, rows with the commit
     python -m experiments.kernel_sass --report a.csv b.csv           # commits side by side
+    python -m experiments.kernel_sass --n-q 1 --launch 64 1 2        # another launch: 64-key tiles, 1 warp
     python -m experiments.kernel_sass --q8-gemv 16 512 4 [--int8 | --xq]   # kernels/q8_gemv.py's loop, one row
 
 Match the device's Triton version (3.6 on the H200 the results come from): another version
@@ -203,6 +204,8 @@ def main(argv=None):
     p.add_argument("--n-q", type=int, nargs="+", default=[1, 6], help="query rows (1 + draft tokens)")
     p.add_argument("--out", help="also write each kernel's SASS, TTGIR and PTX here")
     p.add_argument("--csv", help="also write the rows (with the commit and versions) to this CSV")
+    p.add_argument("--launch", type=int, nargs=3, metavar=("BLOCK_N", "WARPS", "STAGES"),
+                   help="compile with this launch instead of decode_attention's LAUNCH row (a sweep variant)")
     p.add_argument("--report", nargs="+", metavar="CSV", help="instead: compare --csv files (commits side by side)")
     p.add_argument("--q8-gemv", type=int, nargs=3, metavar=("ROWS", "BLOCK_K", "WARPS"),
                    help="instead: kernels/q8_gemv.py's loop at this launch")
@@ -216,6 +219,9 @@ def main(argv=None):
     print(f"triton {triton.__version__}, sm_90")
     if args.q8_gemv:
         return [q8_gemv_report(*args.q8_gemv, args.int8, args.xq)]
+    if args.launch:
+        for n_q in args.n_q:
+            da.LAUNCH[da.block_rows(n_q, N_HEADS // N_KV_HEADS)] = da.Launch(*args.launch, programs_per_sm=4)
     pairs = PAIRS if args.all_pairs else [tuple(args.pair)]
     rows = [report(pair, n_q, args.out) for pair in pairs for n_q in args.n_q]
     if args.csv:

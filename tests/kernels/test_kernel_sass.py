@@ -28,7 +28,14 @@ def test_kernel_sass_reports_the_loop_of_an_sm90_build(tmp_path):
     row = pd.read_csv(csv).iloc[0]
     assert row.pair == "q8_0/q4_0" and row.block_n == 64 and 0 < row.loop_instructions < row.edge_loop_instructions
     table = kernel_sass.compare([str(csv)])
-    assert table.loc[("q8_0/q4_0", 1), ("per_key", row.commit[:7])] == round(row.loop_instructions * row.num_warps / 64, 1)
+    commit = row.commit[:7] + ("+" if row.dirty else "")
+    assert table.loc[("q8_0/q4_0", 1), ("per_key", commit)] == round(row.loop_instructions * row.num_warps / 64, 1)
+    # --launch: another launch's build (one warp), named in its row
+    one = tmp_path / "one.csv"
+    r = subprocess.run([sys.executable, "-m", "experiments.kernel_sass", "--n-q", "1", "--launch", "64", "1", "2",
+                        "--csv", str(one)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert pd.read_csv(one).iloc[0].num_warps == 1
     sass = (tmp_path / "decode_q8_0_q4_0_nq1.sass").read_text()
     assert "HMMA" in sass and (tmp_path / "decode_q8_0_q4_0_nq1.ttgir").stat().st_size > 0
 
