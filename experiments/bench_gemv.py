@@ -158,8 +158,9 @@ def sweep_configs(arm: str):
         return [q8_gemv.Launch(bn, bk, w) for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)]
     if arm == "q8x_pdl":
         return [q8_gemv.Launch(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)]
-    if arm == "q8x_glu":  # 64 rows a program or more: 32 whole columns of h
-        return [q8_gemv.Launch(bn, bk, w) for bn in (64, 128) for bk in (128, 256, 512, 1024) for w in (4, 8)]
+    if arm == "q8x_glu":  # 64 rows a program or more hold 32 whole columns of h; fewer share a block (counters)
+        return [q8_gemv.Launch(bn, bk, w) for bn in (64, 128) for bk in (128, 256, 512, 1024) for w in (4, 8)] + \
+            [q8_gemv.Launch(bn, bk, w) for bn in (8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8)]
     if arm.startswith("mma"):
         return [mma.Launch(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)
                 for st in (2, 4)] + [mma.Launch(bn, bk, 4, 3, sp) for bn in (16, 32, 64) for bk in (128, 256)

@@ -125,7 +125,7 @@ def _quantize_x(b_x, BB: tl.constexpr):
 
 
 @triton.jit
-def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, N, n_w, n_blocks, stride_x, stride_o,
+def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, counts, N, n_w, n_blocks, stride_x, stride_o,
                     ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, INT8: tl.constexpr, XQ: tl.constexpr,
                     Q8_OUT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
@@ -189,13 +189,26 @@ def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, N, n_w, n_blocks, stride
         h = silu_times(g, u)
         m_o = (o_r[:, None] < ROWS) & (o_c < N)[None, :]
         tl.store(out + o_r[:, None] * stride_o + o_c[None, :], h, mask=m_o)
-        if Q8_OUT:  # the program's columns are whole q8_0 blocks of h: down's xq (N a multiple of 32)
+        if Q8_OUT and BLOCK_N >= 64:  # the program's columns are whole q8_0 blocks of h: down's xq (N % 32 == 0)
             NB: tl.constexpr = BLOCK_N // 64
             h_q, h_d = q8_blocks(h.to(tl.float32), NB, ROWS_P)
             tl.store(oq + o_r[:, None] * N + o_c[None, :], h_q.to(tl.int8), mask=m_o)
             o_d = tl.program_id(0) * NB + tl.arange(0, NB)
             tl.store(od + o_r[:, None] * (N // 32) + o_d[None, :], h_d.to(tl.float16),
                      mask=(o_r[:, None] < ROWS) & (o_d < N // 32)[None, :])
+        elif Q8_OUT:  # a block's 32 columns span P programs: the last of them to store its h quantizes the block
+            P: tl.constexpr = 64 // BLOCK_N
+            blk = tl.program_id(0) // P
+            tl.debug_barrier()  # every thread's stores of h before the count (the atomic releases them)
+            if tl.atomic_add(counts + blk, 1) == P - 1:  # acq_rel: the others' h is visible, read from L2
+                o_h = blk * 32 + tl.arange(0, 32)
+                m_b = (o_r[:, None] < ROWS) & (o_h >= 0)[None, :]
+                h_b = tl.load(out + o_r[:, None] * stride_o + o_h[None, :], mask=m_b, other=0.0, volatile=True)
+                h_q, h_d = q8_blocks(h_b.to(tl.float32), 1, ROWS_P)
+                tl.store(oq + o_r[:, None] * N + o_h[None, :], h_q.to(tl.int8), mask=m_b)
+                tl.store(od + o_r[:, None] * (N // 32) + blk + tl.arange(0, 1)[None, :], h_d.to(tl.float16),
+                         mask=o_r[:, None] < ROWS)
+                tl.atomic_xchg(counts + blk, 0)  # ready for the next launch (a graph's replay too)
     else:
         tl.store(out + o_r[:, None] * stride_o + o_n[None, :], acc.to(out.dtype.element_ty),
                  mask=(o_r[:, None] < ROWS) & m_n[None, :])
@@ -213,7 +226,9 @@ def launch_for(n: int, k: int, int8: bool = False, xq: bool = False, q8_out: boo
     2048-wide, 4 warps (2.8 / 2.6 against 4.0 / 3.6 us). ``xq`` (x's blocks given): down 4 rows, 2048-wide
     tiles, 4 warps (6.7 us); the LM head 16 rows, 512-wide (61.2); gate/up 8 rows, 512-wide (9.2); Q/K/V and
     output as int8 (2.3 / 1.8). ``q8_out`` (gate/up with SwiGLU, 32 whole columns a program): 64 rows,
-    256-wide tiles, 4 warps (10.9 us; 12.1 for 512-wide, 14.7 on 8 warps)."""
+    256-wide tiles, 4 warps (10.9 us; 12.1 for 512-wide, 14.7 on 8 warps; 248 registers a thread on sm_90,
+    56 at 8 rows). Launches of 8-32 rows whose programs share a block (``block_counts``), as plain gate/up
+    given x's blocks runs (9.2 us at 8 rows), are in ``bench_gemv --sweep q8x_glu``, not yet timed."""
     tile = lambda w: min(max(triton.next_power_of_2(k), QK), w)
     if q8_out:
         return Launch(64, tile(256), 4)
@@ -230,6 +245,22 @@ def launch_for(n: int, k: int, int8: bool = False, xq: bool = False, q8_out: boo
     if n >= 8192:
         return Launch(16, tile(512), 4)
     return Launch(8, tile(2048), 4)
+
+
+_COUNTS: dict[tuple, torch.Tensor] = {}
+
+
+def block_counts(n: int, device: torch.device) -> torch.Tensor:
+    """int32 [n] zeros, made once per (n, device): how many programs have stored each of h's blocks, for
+    ``q8_out`` launches of fewer than 64 rows a program (each launch leaves them at zero; one launch at a time,
+    in stream order). Made outside a CUDA graph's capture (the call's eager run before it)."""
+    key = (n, str(device))
+    if key not in _COUNTS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("q8_gemv(q8_out=True) with fewer than 64 rows a program makes its block counters on "
+                               "its first call: call it once before capturing it in a CUDA graph")
+        _COUNTS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTS[key]
 
 
 def check_rows_q8(xq, n: int, k: int, device: torch.device) -> None:
@@ -250,7 +281,9 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
     silu(x W_gate^T) * (x W_up^T) [n, F]. ``int8``: x quantized to q8_0 blocks and multiplied in int8
     (module docstring); ``xq``: those blocks of x already made (``check_rows_q8``; int8 implied), x then only
     gives the shape and dtype. ``q8_out`` (with glu): also return the output's q8_0 blocks, ``(out, (quants,
-    scales))``, for the next matmul's ``xq`` (launches of 64 weight rows a program: 32 whole columns).
+    scales))``, for the next matmul's ``xq`` (a launch of 64 weight rows a program or a multiple holds whole
+    blocks of 32 columns; one of fewer rows, a divisor of 64, has the last program to store a block's columns
+    quantize it: ``block_counts``).
     ``pdl``: launch as a programmatic dependent of the kernel before it (CUDA sm_90+, else an ordinary
     launch). ``launch``: override ``launch_for`` (sweeps)."""
     check_weight(q, d)
@@ -273,18 +306,19 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
     if q8_out and (not glu or (n_w // 2) % QK):
         raise ValueError(f"q8_out needs glu and a multiple of {QK} output columns, got glu={glu}, {n_w // 2} columns")
     cfg = launch or launch_for(n_w, k, int8, xq is not None, q8_out)
-    if cfg.block_k % QK or (glu and cfg.block_n % 2) or (q8_out and cfg.block_n % (2 * QK)):
-        raise ValueError(f"block_k must be a multiple of {QK}, with glu block_n even, with q8_out a multiple of "
-                         f"{2 * QK}: got {cfg}")
+    if cfg.block_k % QK or (glu and cfg.block_n % 2) or (q8_out and cfg.block_n % (2 * QK) and (2 * QK) % cfg.block_n):
+        raise ValueError(f"block_k must be a multiple of {QK}, with glu block_n even, with q8_out a multiple or a "
+                         f"divisor of {2 * QK}: got {cfg}")
     n = x.shape[0]
     n_cols = n_w // 2 if glu else n_w
     out = torch.empty((n, n_cols), dtype=x.dtype, device=x.device)
     oq, od = ((torch.empty((n, n_cols), dtype=torch.int8, device=x.device),
                torch.empty((n, n_cols // QK), dtype=torch.float16, device=x.device)) if q8_out else (out, out))
     xq_q, xq_d = (xq[0].view(torch.int32), xq[1]) if xq is not None else (q, d)
+    counts = block_counts(n_cols // QK, x.device) if q8_out and cfg.block_n < 2 * QK else d
     _q8_gemv_kernel[(triton.cdiv(n_w, cfg.block_n),)](
-        x, q.view(torch.int32), d, bias if bias is not None else d, out, xq_q, xq_d, oq, od, n_cols, n_w, n_blocks,
-        x.stride(0), out.stride(0), ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n,
+        x, q.view(torch.int32), d, bias if bias is not None else d, out, xq_q, xq_d, oq, od, counts, n_cols, n_w,
+        n_blocks, x.stride(0), out.stride(0), ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, GLU=glu, INT8=int8 or xq is not None, XQ=xq is not None,
         Q8_OUT=q8_out, ASM=use_asm(x.device), num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
     return (out, (oq, od)) if q8_out else out
