@@ -156,8 +156,9 @@ def sweep_configs(arm: str):
         return [q8_gemv.Launch(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
     if arm == "q8i_pdl":  # more rows a program: each quantizes x's K itself
         return [q8_gemv.Launch(bn, bk, w) for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)]
-    if arm == "q8x_pdl":
-        return [q8_gemv.Launch(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)]
+    if arm == "q8x_pdl":  # (and K shared by 2 or 4 programs: down's long K in few programs)
+        return [q8_gemv.Launch(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)] + \
+            [q8_gemv.Launch(bn, bk, 4, sp) for bn in (4, 8) for bk in (1024, 2048) for sp in (2, 4)]
     if arm == "q8x_glu":  # 64 rows a program or more hold 32 whole columns of h; fewer share a block (counters)
         return [q8_gemv.Launch(bn, bk, w) for bn in (64, 128) for bk in (128, 256, 512, 1024) for w in (4, 8)] + \
             [q8_gemv.Launch(bn, bk, w) for bn in (8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8)]

@@ -85,9 +85,10 @@ def compile_q8_gemv(block_n: int, block_k: int, num_warps: int, int8: bool, xq: 
     from kernels import q8_gemv
 
     const = dict(ROWS=1, ROWS_P=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, GLU=False, INT8=int8 or xq,
-                 XQ=xq, Q8_OUT=False, ASM=True, PDL=True)
+                 XQ=xq, Q8_OUT=False, SPLIT=1, ASM=True, PDL=True)
     ptr = {"x": "*bf16", "q": "*i32", "d": "*fp16", "bias": "*fp16", "out": "*bf16", "xq": "*i32", "xd": "*fp16",
-           "oq": "*i8", "od": "*fp16", "counts": "*i32"}
+           "oq": "*i8", "od": "*fp16", "counts": "*i32",
+           "sums": "*fp32"}
     return _compile(q8_gemv._q8_gemv_kernel, const, lambda name: ptr.get(name, "i32"),
                     lambda name: name in ptr or name.startswith("stride") or name == "n_w", arch, num_warps=num_warps)
 

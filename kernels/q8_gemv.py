@@ -46,6 +46,7 @@ class Launch(NamedTuple):
     block_n: int  # rows of W per program (with glu, pairs of gate and up rows)
     block_k: int  # K per tile (a multiple of 32: block_k / 32 q8_0 blocks)
     num_warps: int
+    split: int = 1  # programs sharing each row block's K (the last to finish adds their sums in order)
 
 
 # a register of four quants -> their four fp32 values: u = q + 128 (one xor for four), each u set by a
@@ -125,19 +126,27 @@ def _quantize_x(b_x, BB: tl.constexpr):
 
 
 @triton.jit
-def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, counts, N, n_w, n_blocks, stride_x, stride_o,
+def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, counts, sums, N, n_w, n_blocks, stride_x, stride_o,
                     ROWS: tl.constexpr, ROWS_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, INT8: tl.constexpr, XQ: tl.constexpr,
-                    Q8_OUT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                    Q8_OUT: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     BB: tl.constexpr = BLOCK_K // 32  # q8_0 blocks per tile
     o_n, o_w = weight_rows(N, BLOCK_N, GLU)
     m_n = o_n < N
     o_b, o_8 = tl.arange(0, BB), tl.arange(0, 8)
+    # this program's blocks of K: [k_lo, k_hi), a whole number of tiles
+    if SPLIT == 1:  # (all of K: constants, so the loop's masks and pointers are the unsplit kernel's)
+        k_lo = 0
+        k_hi = n_blocks
+    else:
+        per = ((n_blocks + SPLIT - 1) // SPLIT + BB - 1) // BB * BB
+        k_lo = tl.program_id(1) * per
+        k_hi = tl.minimum(k_lo + per, n_blocks)
     # tile [BLOCK_N, BB, 8] of int32 words: block b of each of the program's rows is 8 words (32 quants);
     # rows outermost, so a thread holds the same blocks of several rows and reuses its values of x
-    p_q = q + (o_b[None, :, None] * n_w + o_w[:, None, None]) * 8 + o_8[None, None, :]
-    p_d = d + o_b[None, :] * n_w + o_w[:, None]
-    m_q = m_n[:, None] & (o_b < n_blocks)[None, :]
+    p_q = q + ((k_lo + o_b[None, :, None]) * n_w + o_w[:, None, None]) * 8 + o_8[None, None, :]
+    p_d = d + (k_lo + o_b[None, :]) * n_w + o_w[:, None]
+    m_q = m_n[:, None] & ((k_lo + o_b) < k_hi)[None, :]
     # the first tile before the wait: W is never written by the kernel this one may overlap
     b_q = tl.load(p_q, mask=m_q[:, :, None], other=0)
     b_d = tl.load(p_d, mask=m_q, other=0.0)
@@ -148,20 +157,20 @@ def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, counts, N, n_w, n_blocks
     acc = tl.zeros([ROWS_P, BLOCK_N, BB], tl.float32)  # per block of the tile: summed over blocks at the end
     # x's values as the words hold the quants: [BB, 8, 4] -> value 4j + i of each block in the i-th
     p_x = x + (o_b[:, None, None] * 32 + o_8[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
-    for b0 in range(0, n_blocks, BB):
-        # the next tile in flight while this one is used (masked off past K)
+    for b0 in range(k_lo, k_hi, BB):
+        # the next tile in flight while this one is used (masked off past the program's K)
         p_q += BB * n_w * 8
         p_d += BB * n_w
-        m_next = m_n[:, None] & ((b0 + BB + o_b) < n_blocks)[None, :]
+        m_next = m_n[:, None] & ((b0 + BB + o_b) < k_hi)[None, :]
         b_q_next = tl.load(p_q, mask=m_next[:, :, None], other=0)
         b_d_next = tl.load(p_d, mask=m_next, other=0.0)
         f_d = b_d.to(tl.float32)
-        m_x = ((b0 + o_b) < n_blocks)[:, None, None]
+        m_x = ((b0 + o_b) < k_hi)[:, None, None]
         if not INT8:
             f0, f1, f2, f3 = _quants(b_q, ASM)
         for r in tl.static_range(ROWS):
             if XQ:  # x's q8_0 blocks as a producer kernel wrote them: quants [n, K], scales [n, K / 32]
-                m_b = (b0 + o_b) < n_blocks
+                m_b = (b0 + o_b) < k_hi
                 w_x = tl.load(xq + r * n_blocks * 8 + (b0 + o_b[:, None]) * 8 + o_8[None, :], mask=m_b[:, None],
                               other=0)
                 d_x = tl.load(xd + r * n_blocks + b0 + o_b, mask=m_b, other=0.0).to(tl.float32)
@@ -181,6 +190,18 @@ def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, counts, N, n_w, n_blocks
             acc = tl.where(o_r[:, None, None] == r, acc + part[None, :, :], acc)
         b_q, b_d = b_q_next, b_d_next
     acc = tl.sum(acc, 2)
+    last = True
+    if SPLIT > 1:  # (not with GLU) this share's sums to the workspace; the row block's last share adds them all
+        m_s = (o_r[:, None] < ROWS) & m_n[None, :]
+        p_s = sums + (o_r[:, None] * SPLIT) * N + o_n[None, :]  # [row, share, N]
+        tl.store(p_s + tl.program_id(1) * N, acc, mask=m_s)
+        tl.debug_barrier()  # every thread's sums before the count (the atomic releases them)
+        last = tl.atomic_add(counts + tl.program_id(0), 1) == SPLIT - 1
+        if last:  # acq_rel: the other shares' sums are visible; added in share order, so deterministic
+            acc = tl.load(p_s, mask=m_s, other=0.0, volatile=True)
+            for i in tl.static_range(1, SPLIT):
+                acc += tl.load(p_s + i * N, mask=m_s, other=0.0, volatile=True)
+            tl.atomic_xchg(counts + tl.program_id(0), 0)  # ready for the next launch (a graph's replay too)
     if HAS_BIAS:
         acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     if GLU:  # [rows, (column, gate | up)] -> silu(gate) * up, rounded as the unfused kernels round
@@ -209,7 +230,7 @@ def _q8_gemv_kernel(x, q, d, bias, out, xq, xd, oq, od, counts, N, n_w, n_blocks
                 tl.store(od + o_r[:, None] * (N // 32) + blk + tl.arange(0, 1)[None, :], h_d.to(tl.float16),
                          mask=o_r[:, None] < ROWS)
                 tl.atomic_xchg(counts + blk, 0)  # ready for the next launch (a graph's replay too)
-    else:
+    elif last:
         tl.store(out + o_r[:, None] * stride_o + o_n[None, :], acc.to(out.dtype.element_ty),
                  mask=(o_r[:, None] < ROWS) & m_n[None, :])
 
@@ -227,7 +248,7 @@ def launch_for(n: int, k: int, int8: bool = False, xq: bool = False, q8_out: boo
     tiles, 4 warps (6.7 us); the LM head 16 rows, 512-wide (61.2); gate/up 8 rows, 512-wide (9.2); Q/K/V and
     output as int8 (2.3 / 1.8). ``q8_out`` (gate/up with SwiGLU, 32 whole columns a program): 64 rows,
     256-wide tiles, 4 warps (10.9 us; 12.1 for 512-wide, 14.7 on 8 warps; 248 registers a thread on sm_90,
-    56 at 8 rows). Launches of 8-32 rows whose programs share a block (``block_counts``), as plain gate/up
+    56 at 8 rows). Launches of 8-32 rows whose programs share a block (``scratch``), as plain gate/up
     given x's blocks runs (9.2 us at 8 rows), are in ``bench_gemv --sweep q8x_glu``, not yet timed."""
     tile = lambda w: min(max(triton.next_power_of_2(k), QK), w)
     if q8_out:
@@ -247,20 +268,21 @@ def launch_for(n: int, k: int, int8: bool = False, xq: bool = False, q8_out: boo
     return Launch(8, tile(2048), 4)
 
 
-_COUNTS: dict[tuple, torch.Tensor] = {}
+_SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
-def block_counts(n: int, device: torch.device) -> torch.Tensor:
-    """int32 [n] zeros, made once per (n, device): how many programs have stored each of h's blocks, for
-    ``q8_out`` launches of fewer than 64 rows a program (each launch leaves them at zero; one launch at a time,
-    in stream order). Made outside a CUDA graph's capture (the call's eager run before it)."""
-    key = (n, str(device))
-    if key not in _COUNTS:
+def scratch(kind: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros made once per (kind, shape, dtype, device) and kept: ``counts``, how many programs have stored
+    each of h's blocks (``q8_out`` with fewer than 64 rows a program) or each row block's shares of K
+    (``split``), which each launch leaves at zero; ``sums``, the shares' fp32 sums. One launch at a time, in
+    stream order. Made outside a CUDA graph's capture (the call's eager run before it)."""
+    key = (kind, shape, dtype, str(device))
+    if key not in _SCRATCH:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("q8_gemv(q8_out=True) with fewer than 64 rows a program makes its block counters on "
-                               "its first call: call it once before capturing it in a CUDA graph")
-        _COUNTS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTS[key]
+            raise RuntimeError(f"q8_gemv makes its {kind} workspace on its first call with this launch: call it once "
+                               "before capturing it in a CUDA graph")
+        _SCRATCH[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return _SCRATCH[key]
 
 
 def check_rows_q8(xq, n: int, k: int, device: torch.device) -> None:
@@ -283,7 +305,8 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
     gives the shape and dtype. ``q8_out`` (with glu): also return the output's q8_0 blocks, ``(out, (quants,
     scales))``, for the next matmul's ``xq`` (a launch of 64 weight rows a program or a multiple holds whole
     blocks of 32 columns; one of fewer rows, a divisor of 64, has the last program to store a block's columns
-    quantize it: ``block_counts``).
+    quantize it: ``scratch``). A launch's ``split`` shares each row block's K between programs, the last to
+    finish adding the shares' fp32 sums in share order (deterministic; another sum order than one program's).
     ``pdl``: launch as a programmatic dependent of the kernel before it (CUDA sm_90+, else an ordinary
     launch). ``launch``: override ``launch_for`` (sweeps)."""
     check_weight(q, d)
@@ -306,19 +329,26 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: torch.Tenso
     if q8_out and (not glu or (n_w // 2) % QK):
         raise ValueError(f"q8_out needs glu and a multiple of {QK} output columns, got glu={glu}, {n_w // 2} columns")
     cfg = launch or launch_for(n_w, k, int8, xq is not None, q8_out)
-    if cfg.block_k % QK or (glu and cfg.block_n % 2) or (q8_out and cfg.block_n % (2 * QK) and (2 * QK) % cfg.block_n):
+    if cfg.block_k % QK or (glu and cfg.block_n % 2) or (q8_out and cfg.block_n % (2 * QK) and (2 * QK) % cfg.block_n) \
+            or cfg.split < 1 or (cfg.split > 1 and glu):
         raise ValueError(f"block_k must be a multiple of {QK}, with glu block_n even, with q8_out a multiple or a "
-                         f"divisor of {2 * QK}: got {cfg}")
+                         f"divisor of {2 * QK}, split >= 1 and 1 with glu: got {cfg}")
     n = x.shape[0]
     n_cols = n_w // 2 if glu else n_w
     out = torch.empty((n, n_cols), dtype=x.dtype, device=x.device)
     oq, od = ((torch.empty((n, n_cols), dtype=torch.int8, device=x.device),
                torch.empty((n, n_cols // QK), dtype=torch.float16, device=x.device)) if q8_out else (out, out))
     xq_q, xq_d = (xq[0].view(torch.int32), xq[1]) if xq is not None else (q, d)
-    counts = block_counts(n_cols // QK, x.device) if q8_out and cfg.block_n < 2 * QK else d
-    _q8_gemv_kernel[(triton.cdiv(n_w, cfg.block_n),)](
-        x, q.view(torch.int32), d, bias if bias is not None else d, out, xq_q, xq_d, oq, od, counts, n_cols, n_w,
-        n_blocks, x.stride(0), out.stride(0), ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n,
+    programs = triton.cdiv(n_w, cfg.block_n)
+    counts, sums = d, d
+    if q8_out and cfg.block_n < 2 * QK:
+        counts = scratch("counts", (n_cols // QK,), torch.int32, x.device)
+    if cfg.split > 1:
+        counts = scratch("counts", (programs,), torch.int32, x.device)
+        sums = scratch("sums", (triton.next_power_of_2(n), cfg.split, n_cols), torch.float32, x.device)
+    _q8_gemv_kernel[(programs, cfg.split)](
+        x, q.view(torch.int32), d, bias if bias is not None else d, out, xq_q, xq_d, oq, od, counts, sums, n_cols,
+        n_w, n_blocks, x.stride(0), out.stride(0), ROWS=n, ROWS_P=triton.next_power_of_2(n), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, GLU=glu, INT8=int8 or xq is not None, XQ=xq is not None,
-        Q8_OUT=q8_out, ASM=use_asm(x.device), num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
+        Q8_OUT=q8_out, SPLIT=cfg.split, ASM=use_asm(x.device), num_warps=cfg.num_warps, **pdl_kwargs(pdl, x.device))
     return (out, (oq, od)) if q8_out else out

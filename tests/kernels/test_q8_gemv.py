@@ -110,6 +110,27 @@ def test_glu_q8_out_is_h_through_q8_0(dtype):
             assert torch.equal(hq[0].cpu(), ref[0]) and torch.equal(hq[1].cpu(), ref[1]), launch
 
 
+@pytest.mark.parametrize("mode", ["exact", "int8", "xq"])
+def test_split_k_adds_its_shares_in_order(mode):
+    """``Launch.split``: programs share each row block's K (shares of whole tiles, the last one short or
+    empty), the last to finish adds their fp32 sums in share order: the exact product within the same bound
+    (another sum order), the same bits on every call (deterministic), and the counters left at zero (each
+    launch twice); with a bias and 3 rows."""
+    K = 7 * 32
+    q, d, w = _weight(37, K, 3)
+    x, b = _x(3, K, torch.float32, 4), torch.randn(37).to(DEVICE)
+    kw = dict(int8=True) if mode == "int8" else dict(xq=reference.q8_rows(x.cpu())) if mode == "xq" else {}
+    if "xq" in kw:
+        kw["xq"] = tuple(t.to(DEVICE) for t in kw["xq"])
+    xr = x if mode == "exact" else reference.q8_round(x.cpu()).to(DEVICE)  # int8: x through its q8_0 blocks
+    for launch in (Launch(4, 64, 4, 2), Launch(8, 32, 4, 3), Launch(16, 64, 4, 4), Launch(2, 32, 1, 7)):
+        first = q8_gemv(x, q, d, b, launch=launch, **kw)
+        _check(first, xr, w, b)
+        # another product between (the counters were reset: its own output), then x's again: the same bits
+        _check(q8_gemv(x, q, d, None, launch=launch, **kw), xr, w, None)
+        assert torch.equal(q8_gemv(x, q, d, b, launch=launch, **kw), first), launch
+
+
 @pytest.mark.parametrize("block_n, block_k", [(1, 32), (4, 64), (8, 128), (16, 256)])
 def test_tiles_and_k_loop(block_n, block_k):
     """Row blocks that do not divide N, tiles of blocks that do not divide K's 7 blocks (the next tile's
