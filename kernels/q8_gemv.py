@@ -29,6 +29,7 @@ q8_0 weights. Fewer instructions per weight byte (``experiments/kernel_sass.py -
 """
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
@@ -281,7 +282,13 @@ def scratch(kind: str, shape: tuple, dtype: torch.dtype, device: torch.device) -
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"q8_gemv makes its {kind} workspace on its first call with this launch: call it once "
                                "before capturing it in a CUDA graph")
-        _SCRATCH[key] = torch.zeros(shape, dtype=dtype, device=device)
+        # allocated by a thread of its own: a memory pool that routes this thread's allocations (a cache's slab,
+        # whose segments a later pass reuses) does not route another thread's, so the workspace outlives it
+        made = []
+        t = threading.Thread(target=lambda: made.append(torch.empty(shape, dtype=dtype, device=device)))
+        t.start()
+        t.join()
+        _SCRATCH[key] = made[0].zero_()  # (zeroed in this thread's stream, before the launch that reads it)
     return _SCRATCH[key]
 
 

@@ -207,3 +207,19 @@ def test_q8_out_launch_holds_whole_blocks():
     with pytest.raises(ValueError, match="with q8_out a multiple or a divisor of 64"):
         q8_gemv(torch.randn(1, 64).to(DEVICE), q.to(DEVICE), d.to(DEVICE), glu=True, q8_out=True,
                 launch=Launch(24, 64, 4))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="memory pools are CUDA's")
+def test_the_workspace_outlives_a_memory_pool():
+    """``scratch`` made while a pool routes this thread's allocations (a cache's slab during a step) lies
+    outside the pool's segments: the slab's next pass may reuse them, the workspace must stay."""
+    from kernels.q8_gemv import scratch
+
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        t = scratch("test", (7,), torch.int32, DEVICE)
+        inside = torch.empty(7, dtype=torch.int32, device=DEVICE)  # (this one is the pool's)
+    segments = [(s["address"], s["address"] + s["total_size"]) for s in pool.snapshot()]
+    within = lambda p: any(a <= p < b for a, b in segments)  # noqa: E731
+    assert within(inside.data_ptr()) and not within(t.data_ptr())
+    assert torch.equal(t.cpu(), torch.zeros(7, dtype=torch.int32))
