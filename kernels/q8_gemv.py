@@ -29,6 +29,7 @@ q8_0 weights. Fewer instructions per weight byte (``experiments/kernel_sass.py -
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import NamedTuple
 
@@ -276,19 +277,32 @@ def scratch(kind: str, shape: tuple, dtype: torch.dtype, device: torch.device) -
     """Zeros made once per (kind, shape, dtype, device) and kept: ``counts``, how many programs have stored
     each of h's blocks (``q8_out`` with fewer than 64 rows a program) or each row block's shares of K
     (``split``), which each launch leaves at zero; ``sums``, the shares' fp32 sums. One launch at a time, in
-    stream order. Made outside a CUDA graph's capture (the call's eager run before it)."""
+    stream order (launches of one shape on two streams at once would share them: not supported). Made outside a
+    CUDA graph's capture (the call's eager run before it)."""
     key = (kind, shape, dtype, str(device))
     if key not in _SCRATCH:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"q8_gemv makes its {kind} workspace on its first call with this launch: call it once "
                                "before capturing it in a CUDA graph")
         # allocated by a thread of its own: a memory pool that routes this thread's allocations (a cache's slab,
-        # whose segments a later pass reuses) does not route another thread's, so the workspace outlives it
+        # whose segments a later pass reuses) does not route another thread's (torch >= 2.8), so the workspace
+        # outlives it; on this thread's stream, where it is zeroed and then read
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         made = []
-        t = threading.Thread(target=lambda: made.append(torch.empty(shape, dtype=dtype, device=device)))
+
+        def make():
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    made.append(torch.empty(shape, dtype=dtype, device=device))
+            except Exception as e:  # noqa: BLE001 - raised again in the caller's thread
+                made.append(e)
+
+        t = threading.Thread(target=make)
         t.start()
         t.join()
-        _SCRATCH[key] = made[0].zero_()  # (zeroed in this thread's stream, before the launch that reads it)
+        if isinstance(made[0], Exception):
+            raise made[0]
+        _SCRATCH[key] = made[0].zero_()
     return _SCRATCH[key]
 
 

@@ -101,13 +101,21 @@ def test_glu_q8_out_is_h_through_q8_0(dtype):
     blocks are not written; fewer rows a program (a divisor of 64): the last program of a block quantizes
     it, and leaves its counter at zero for the next launch (each launch twice)."""
     q, d, _ = _weight(2 * 96, 64, 9)
-    x = _x(2, 64, dtype, 10)
+    x = _x(3, 64, dtype, 10)  # (3 rows: the padded row's masks too)
     for launch in (Launch(64, 64, 4), Launch(128, 32, 4), Launch(32, 64, 4), Launch(8, 32, 4), Launch(2, 64, 1)):
         for _ in range(2):
             out, hq = q8_gemv(x, q, d, glu=True, int8=True, q8_out=True, launch=launch)
             assert torch.equal(out, q8_gemv(x, q, d, glu=True, int8=True, launch=launch))
             ref = reference.q8_rows(out.cpu())
             assert torch.equal(hq[0].cpu(), ref[0]) and torch.equal(hq[1].cpu(), ref[1]), launch
+    _counters_at_zero()
+
+
+def _counters_at_zero():
+    """Every launch leaves its counters as it found them: at zero."""
+    from kernels.q8_gemv import _SCRATCH
+
+    assert all(not t.any() for (kind, *_), t in _SCRATCH.items() if kind == "counts")
 
 
 @pytest.mark.parametrize("mode", ["exact", "int8", "xq"])
@@ -123,12 +131,15 @@ def test_split_k_adds_its_shares_in_order(mode):
     if "xq" in kw:
         kw["xq"] = tuple(t.to(DEVICE) for t in kw["xq"])
     xr = x if mode == "exact" else reference.q8_round(x.cpu()).to(DEVICE)  # int8: x through its q8_0 blocks
-    for launch in (Launch(4, 64, 4, 2), Launch(8, 32, 4, 3), Launch(16, 64, 4, 4), Launch(2, 32, 1, 7)):
+    # (shares of 2 and 3 tiles with a short last one; 7 one-block shares; 4-block shares with two empty)
+    for launch in (Launch(4, 64, 4, 2), Launch(8, 32, 4, 3), Launch(16, 64, 4, 4), Launch(2, 32, 1, 7),
+                   Launch(4, 128, 4, 4)):
         first = q8_gemv(x, q, d, b, launch=launch, **kw)
         _check(first, xr, w, b)
         # another product between (the counters were reset: its own output), then x's again: the same bits
         _check(q8_gemv(x, q, d, None, launch=launch, **kw), xr, w, None)
         assert torch.equal(q8_gemv(x, q, d, b, launch=launch, **kw), first), launch
+    _counters_at_zero()
 
 
 @pytest.mark.parametrize("block_n, block_k", [(1, 32), (4, 64), (8, 128), (16, 256)])
