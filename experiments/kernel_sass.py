@@ -14,6 +14,7 @@ loop is what runs per 64 or 128 keys.
     python -m experiments.kernel_sass --report a.csv b.csv           # commits side by side
     python -m experiments.kernel_sass --n-q 1 --launch 64 1 2        # another launch: 64-key tiles, 1 warp
     python -m experiments.kernel_sass --q8-gemv 16 512 4 [--int8 | --xq]   # kernels/q8_gemv.py's loop, one row
+    python -m experiments.kernel_sass --q8-gemv 4 2048 4 --xq --split 2    # (K shared; --glu-q8: gate/up's h blocks)
 
 Match the device's Triton version (3.6 on the H200 the results come from): another version
 compiles other code. One way, without touching the environment: ``pip install --target /tmp/t36
@@ -79,13 +80,15 @@ def compile_decode(pair, n_q, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=H
                     num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.maxnreg)
 
 
-def compile_q8_gemv(block_n: int, block_k: int, num_warps: int, int8: bool, xq: bool = False, arch=90):
+def compile_q8_gemv(block_n: int, block_k: int, num_warps: int, int8: bool, xq: bool = False, arch=90,
+                    split: int = 1, glu_q8: bool = False):
     """``kernels/q8_gemv.py``'s kernel for one bf16 row with PDL, as a launch specializes it (``xq``: int8
-    with x's blocks given)."""
+    with x's blocks given; ``split``: K shared by that many programs; ``glu_q8``: gate/up's SwiGLU writing
+    h's q8_0 blocks)."""
     from kernels import q8_gemv
 
-    const = dict(ROWS=1, ROWS_P=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, GLU=False, INT8=int8 or xq,
-                 XQ=xq, Q8_OUT=False, SPLIT=1, ASM=True, PDL=True)
+    const = dict(ROWS=1, ROWS_P=1, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, GLU=glu_q8, INT8=int8 or xq,
+                 XQ=xq, Q8_OUT=glu_q8, SPLIT=split, ASM=True, PDL=True)
     ptr = {"x": "*bf16", "q": "*i32", "d": "*fp16", "bias": "*fp16", "out": "*bf16", "xq": "*i32", "xd": "*fp16",
            "oq": "*i8", "od": "*fp16", "counts": "*i32",
            "sums": "*fp32"}
@@ -93,18 +96,22 @@ def compile_q8_gemv(block_n: int, block_k: int, num_warps: int, int8: bool, xq: 
                     lambda name: name in ptr or name.startswith("stride") or name == "n_w", arch, num_warps=num_warps)
 
 
-def q8_gemv_report(block_n: int, block_k: int, num_warps: int, int8: bool, xq: bool = False) -> dict:
-    """The K loop's instructions per thread and per weight byte (a tile is block_n x block_k quants)."""
-    sass, _ = disassemble(compile_q8_gemv(block_n, block_k, num_warps, int8, xq))
+def q8_gemv_report(block_n: int, block_k: int, num_warps: int, int8: bool, xq: bool = False, split: int = 1,
+                   glu_q8: bool = False) -> dict:
+    """The K loop's instructions per thread and per weight byte (a tile is block_n x block_k quants), and the
+    kernel's registers a thread."""
+    sass, res = disassemble(compile_q8_gemv(block_n, block_k, num_warps, int8, xq, split=split, glu_q8=glu_q8))
     body = loop_body(sass)
     mix = collections.Counter(opcode(line) for line in body)
     per_byte = len(body) * 32 * num_warps / (block_n * block_k)
-    mode = ", int8, x's blocks given" if xq else ", int8" if int8 else ""
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    mode = (", int8, x's blocks given" if xq else ", int8" if int8 else "") + (f", K split {split} ways" if split > 1
+                                                                                else "") + (", SwiGLU + h's blocks" if glu_q8 else "")
     print(f"q8_gemv {block_n} rows, {block_k}-wide tiles, {num_warps} warps{mode}: loop body "
-          f"{len(body)} instructions a thread, {per_byte:.2f} a weight byte")
+          f"{len(body)} instructions a thread, {per_byte:.2f} a weight byte, {regs} registers")
     print("  mix:   " + ", ".join(f"{k} {n}" for k, n in mix.most_common(16)))
-    return dict(block_n=block_n, block_k=block_k, num_warps=num_warps, int8=int8, xq=xq, loop_instructions=len(body),
-                per_weight_byte=per_byte)
+    return dict(block_n=block_n, block_k=block_k, num_warps=num_warps, int8=int8, xq=xq, split=split, glu_q8=glu_q8,
+                loop_instructions=len(body), per_weight_byte=per_byte, registers=regs)
 
 
 def _tool(name: str) -> str:
@@ -212,6 +219,8 @@ def main(argv=None):
                    help="instead: kernels/q8_gemv.py's loop at this launch")
     p.add_argument("--int8", action="store_true", help="--q8-gemv: the int8 dot (model.weights=q8_0_int8)")
     p.add_argument("--xq", action="store_true", help="--q8-gemv: the int8 dot with x's q8_0 blocks given")
+    p.add_argument("--split", type=int, default=1, help="--q8-gemv: K shared by this many programs (Launch.split)")
+    p.add_argument("--glu-q8", action="store_true", help="--q8-gemv: gate/up's SwiGLU writing h's q8_0 blocks")
     args = p.parse_args(argv)
     if args.report:
         table = compare(args.report)
@@ -219,7 +228,7 @@ def main(argv=None):
         return table
     print(f"triton {triton.__version__}, sm_90")
     if args.q8_gemv:
-        return [q8_gemv_report(*args.q8_gemv, args.int8, args.xq)]
+        return [q8_gemv_report(*args.q8_gemv, args.int8, args.xq, args.split, args.glu_q8)]
     if args.launch:
         for n_q in args.n_q:
             da.LAUNCH[da.block_rows(n_q, N_HEADS // N_KV_HEADS)] = da.Launch(*args.launch, programs_per_sm=4)

@@ -249,7 +249,7 @@ def launch_for(n: int, k: int, int8: bool = False, xq: bool = False, q8_out: boo
     2048-wide, 4 warps (2.8 / 2.6 against 4.0 / 3.6 us). ``xq`` (x's blocks given): down 4 rows, 2048-wide
     tiles, 4 warps (6.7 us); the LM head 16 rows, 512-wide (61.2); gate/up 8 rows, 512-wide (9.2); Q/K/V and
     output as int8 (2.3 / 1.8). ``q8_out`` (gate/up with SwiGLU, 32 whole columns a program): 64 rows,
-    256-wide tiles, 4 warps (10.9 us; 12.1 for 512-wide, 14.7 on 8 warps; 248 registers a thread on sm_90,
+    256-wide tiles, 4 warps (10.9 us; 12.1 for 512-wide, 14.7 on 8 warps; 138 registers a thread on sm_90,
     56 at 8 rows). Launches of 8-32 rows whose programs share a block (``scratch``), as plain gate/up
     given x's blocks runs (9.2 us at 8 rows), are in ``bench_gemv --sweep q8x_glu``, not yet timed."""
     tile = lambda w: min(max(triton.next_power_of_2(k), QK), w)

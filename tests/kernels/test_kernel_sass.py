@@ -48,9 +48,10 @@ def test_kernel_sass_reports_q8_gemvs_loop():
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     run = lambda *a: subprocess.run([sys.executable, "-m", "experiments.kernel_sass", "--q8-gemv", "16", "512", "4", *a],
                                     capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    exact, int8, xq = run(), run("--int8"), run("--xq")
-    for r in (exact, int8, xq):
+    exact, int8, xq, split = run(), run("--int8"), run("--xq"), run("--xq", "--split", "2")
+    for r in (exact, int8, xq, split):
         assert r.returncode == 0, r.stderr[-3000:]
+    assert "K split 2 ways" in split.stdout and "IDP" in split.stdout, split.stdout
     assert "PRMT" in exact.stdout and "I2F" not in exact.stdout and "a weight byte" in exact.stdout, exact.stdout
     assert "IDP" in int8.stdout and "FRND" in int8.stdout, int8.stdout
     assert "IDP" in xq.stdout and "FRND" not in xq.stdout and "x's blocks given" in xq.stdout, xq.stdout
