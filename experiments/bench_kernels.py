@@ -275,8 +275,8 @@ def plot(dec, gat, path):
 
 def summary(dec, gat, ceil):
     print(f"\nceilings: copy {ceil['copy_gbps']:.0f} GB/s, read {ceil['read_gbps']:.0f} GB/s")
-    print(f"{'pair':11} {'ctx':>6} {'n_q':>3} {'us':>8} {'eager':>8} {'%copy':>6} {'%sized':>6} {'xSDPA':>6} {'6/1':>5} "
-          f"{'us pdl':>7} {'%sized':>6}")
+    print(f"{'pair':11} {'ctx':>6} {'n_q':>3} {'us':>8} {'eager':>8} {'%copy':>6} {'%sized':>6} {'xSDPA':>6} "
+          f"{'6/1':>5} {'us pdl':>7} {'%sized':>6}")
     for _, r in dec[dec.context >= min(32768, dec.context.max())].iterrows():
         one = dec[(dec.k_type == r.k_type) & (dec.v_type == r.v_type) & (dec.context == r.context)
                   & (dec.n_q == 1)]

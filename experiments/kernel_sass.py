@@ -105,8 +105,8 @@ def q8_gemv_report(block_n: int, block_k: int, num_warps: int, int8: bool, xq: b
     mix = collections.Counter(opcode(line) for line in body)
     per_byte = len(body) * 32 * num_warps / (block_n * block_k)
     regs = int(re.search(r"REG:(\d+)", res).group(1))
-    mode = (", int8, x's blocks given" if xq else ", int8" if int8 else "") + (f", K split {split} ways" if split > 1
-                                                                                else "") + (", SwiGLU + h's blocks" if glu_q8 else "")
+    mode = ", int8, x's blocks given" if xq else ", int8" if int8 else ""
+    mode += (f", K split {split} ways" if split > 1 else "") + (", SwiGLU + h's blocks" if glu_q8 else "")
     print(f"q8_gemv {block_n} rows, {block_k}-wide tiles, {num_warps} warps{mode}: loop body "
           f"{len(body)} instructions a thread, {per_byte:.2f} a weight byte, {regs} registers")
     print("  mix:   " + ", ".join(f"{k} {n}" for k, n in mix.most_common(16)))
