@@ -26,6 +26,7 @@ bench_kernels.png and command.txt (the command, with provenance). Prints a short
     python experiments/bench_kernels.py --out results/kernels          # CUDA, ~5 min
     python experiments/bench_kernels.py --quick --out /tmp/bench       # CPU smoke (interpreter)
     python experiments/bench_kernels.py --sweep --out /tmp/sweep       # launch-table sweep
+    python experiments/bench_kernels.py --compare BEFORE_DIR AFTER_DIR  # two runs side by side (no GPU)
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true",
                    help="time decode's launch variants (SWEEP) at --contexts (default 32K, 64K, 128K)")
     p.add_argument("--contexts", type=int, nargs="*", help="override the context lengths")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="instead: decode attention of two runs' folders side by side (no GPU)")
     return p.parse_args(argv)
 
 
@@ -296,8 +299,28 @@ def summary(dec, gat, ceil):
         print(f"goal >=2.0x fp16 SDPA at 64K: {lo:.2f}x .. {hi:.2f}x")
 
 
+def compare(before: str, after: str) -> "pd.DataFrame":
+    """Decode attention's graph time (and, where both runs took it, the PDL-launched one) per (pair, context,
+    n_q) in two runs' ``decode_attention.csv``, with the ratio after / before and the size-matched ceiling's
+    fraction; the runs' own rows, so one machine's run against another's says little."""
+    import pandas as pd
+
+    key = ["k_type", "v_type", "context", "n_q"]
+    a, b = (pd.read_csv(os.path.join(d, "decode_attention.csv")) for d in (before, after))
+    m = a.merge(b, on=key, suffixes=("_before", "_after"))
+    out = m[key].assign(us_before=m.us_graph_before, us_after=m.us_graph_after,
+                        ratio=m.us_graph_after / m.us_graph_before,
+                        sized_before=m.frac_sized_copy_before, sized_after=m.frac_sized_copy_after)
+    if "us_graph_pdl_after" in m:
+        out["us_pdl_after"], out["sized_pdl_after"] = m.us_graph_pdl_after, m.frac_sized_copy_pdl_after
+    return out.round(3)
+
+
 def main(args) -> None:
     import pandas as pd
+    if args.compare:
+        print(compare(*args.compare).to_string(index=False))
+        return
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     contexts = args.contexts or ([300] if args.quick else CONTEXTS)

@@ -27,3 +27,9 @@ def test_bench_kernels_quick(tmp_path):
     pdl = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
     assert (dec.us_graph_pdl > 0).all() if pdl else dec.us_graph_pdl.isna().all()
     assert "--quick" in (tmp_path / "command.txt").read_text()
+    # --compare: two runs' folders side by side (here the run with itself: every ratio 1)
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_kernels.py"), "--compare", str(tmp_path),
+                        str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert "ratio" in lines[0] and len(lines) == 1 + 8 and all(" 1.0 " in line for line in lines[1:]), r.stdout
