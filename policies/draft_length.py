@@ -78,6 +78,7 @@ class Fixed:
     """Always ``n`` tokens (capped at ``n_max``)."""
 
     n: int
+    static = True  # (not a field) no round's outcome changes it: the engine may launch a round before the last one's readback
 
     def __post_init__(self):
         if self.n < 1:

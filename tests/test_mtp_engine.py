@@ -64,7 +64,7 @@ def plain(model):
 
 
 def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None, step=None, head_graphs=False,
-            run_ahead=None, alpha=None, new=NEW, p_min=0.0, on_draft=None):
+            run_ahead=None, alpha=None, new=NEW, p_min=0.0, on_draft=None, length_policy=None):
     """A greedy decode with the head pinned in a stream cache's arena (``step``: the model, or a
     GraphedModel of it; ``head_graphs``: the head's steps captured, CUDA; ``alpha``: synthetic
     acceptance, ``new`` tokens, the head's ``p_min``)."""
@@ -83,7 +83,7 @@ def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None,
         on_draft(mtp)
     g = speculative_generate(step or model, cache, PROMPT, new, Sampler(GREEDY, model.device), chain, n_max=n_max,
                              prefill_chunk=CHUNK, control=control, device_rounds=device_rounds, run_ahead=run_ahead,
-                             synthetic_acceptance=alpha)
+                             synthetic_acceptance=alpha, length_policy=length_policy)
     return g, mtp, control, cache
 
 
@@ -200,8 +200,10 @@ def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, fi
     stage each next feed before the readback (``prepare``): with synthetic acceptance a round keeps
     several rows (the drafts, then the target's token), and 150 tokens take the head's KV past a
     page; with ``p_min`` some rounds draft nothing valid, and their drafted rows must still go."""
+    from kvstream.engine.speculative import _DeviceRound
+
     policy, eagle3 = case.get("policy"), case.get("eagle3")
-    rounds, draft = [], MTPDraft._draft
+    rounds, draft, verify = [], MTPDraft._draft, _DeviceRound.run
 
     def spy(self, history, n):
         out = draft(self, history, n)
@@ -209,7 +211,14 @@ def test_every_rounds_draft_is_the_heads_chain_over_the_committed_rows(model, fi
             rounds.append((list(history), out[0].tolist()))
         return out
 
+    def ahead(self, model, cache, chain, history, n, *a):  # a round launched before the last one's readback
+        pending = self.pending  # (``propose_ahead``): its history is known at its verify
+        if pending is not None and pending[5] is not None and pending[0] == n:
+            rounds.append((list(history), pending[4][0].tolist()))
+        return verify(self, model, cache, chain, history, n, *a)
+
     monkeypatch.setattr(MTPDraft, "_draft", spy)
+    monkeypatch.setattr(_DeviceRound, "run", ahead)
     policy = Scripted(at=3, back=12) if policy else None
     g, mtp, control, _ = run_mtp(model, eagle3_files if eagle3 else files, policy=policy,
                                  **{k: v for k, v in case.items() if k not in ("policy", "eagle3")})
@@ -358,3 +367,34 @@ def test_a_heads_round_launched_ahead_is_dropped_by_an_eject(model, files, plain
                                  on_draft=lambda m: cancelled.append(count_cancels(m)))
     assert g.tokens == plain and [t.action for t in control.transitions] == ["eject", "reenable"]
     assert cancelled == [[4]] and mtp.stats.calls == sum(r.verify_width > 1 for r in g.records)
+
+
+@pytest.mark.parametrize("alpha", [None, 0.7])
+def test_a_heads_next_round_launches_before_the_readback(model, files, plain, alpha, monkeypatch):
+    """Device rounds with a fixed draft length: the head's next chain is launched right after
+    ``prepare``, before the round's readback (``propose_ahead``), feeding the verify's rows and
+    drafting from the last kept one, so the device drafts while the host reads back. Every round
+    runs so but the first, the last few (a round that may end the output launches none; the last
+    one launched is dropped) and those whose pass of 2 x 4 rows would open a page of the head's KV
+    (staged from the host: at most 8 a page). The tokens are plain decoding's and the head counts
+    the verified rounds. A length policy that reads the rounds launches none."""
+    from policies.draft_length import Heuristic
+
+    launched, ahead = [], MTPDraft.propose_ahead
+    monkeypatch.setattr(MTPDraft, "propose_ahead", lambda self, n: launched.append(ahead(self, n)) or launched[-1])
+    g, mtp, _, _ = run_mtp(model, files, device_rounds=True, alpha=alpha, new=150)
+    rounds = sum(r.verify_width > 1 for r in g.records)
+    # (synthetic acceptance keeps drafts whatever the target says: its tokens are not plain decoding's;
+    # that each of its rounds drafts the head's chain is test_every_rounds_draft_is_the_heads_chain...'s)
+    assert (alpha is not None or g.tokens == plain_tokens(model, 150)) and mtp.stats.calls == rounds
+    pages = mtp.cache.length // 256 - len(PROMPT) // 256  # the head's KV pages opened while decoding
+    fallbacks = 1 + 5 + 8 * pages  # the first round, the last five at most, at page openings
+    assert rounds - fallbacks <= sum(out is not None for out in launched) < rounds, (launched, rounds, pages)
+    launched.clear()
+    g, *_ = run_mtp(model, files, device_rounds=True, alpha=alpha, new=60, length_policy=Heuristic(n_min=1, start=2))
+    assert (alpha is not None or g.tokens == plain_tokens(model, 60)) and launched == []
+
+
+def plain_tokens(model, new: int) -> list[int]:
+    cache = make_cache(CacheConfig(mode="resident"), ArenaConfig(), model, 1024, CHUNK)
+    return generate(model, cache, PROMPT, new, Sampler(GREEDY), prefill_chunk=CHUNK).tokens

@@ -123,14 +123,14 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
             raise ValueError(f"a decode batch of {n} tokens is wider than the reserved verify width "
                              f"{self.verify_width} (1 + the most draft tokens); reserve more at cache creation")
         self.stats = StepStats()
-        first, n_pages = self.length // PAGE_TOKENS, -(-(self.length + n) // PAGE_TOKENS)
+        first, n_pages = self.length // PAGE_TOKENS, self._pages_after(n)
         if n_pages - first > self.capacity:
             raise ArenaTooSmall(f"a batch of {n} tokens at position {self.length} writes {n_pages - first} pages "
                                 f"per layer but only {self.capacity} fit in the pool; use smaller prefill chunks "
                                 f"or a larger arena")
         self.clock.open_pass()  # past the gates: a pass that is refused does not open
         touched = range(first, n_pages)
-        if n_pages != self._n_pages or any(p not in self.slot for p in touched):
+        if self.replans(n):
             t0, version = time.perf_counter(), self._plan_version
             self._plan(n_pages, upload_below=-(-self.length // PAGE_TOKENS), writing=touched)
             if self._plan_version != version:
@@ -162,6 +162,15 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
         self.stats.resident_pages = n_pages - self.stats.streamed_pages
         self.stats.rounds = len(s)
         return self.pos
+
+    def _pages_after(self, n: int) -> int:
+        return -(-(self.length + n) // PAGE_TOKENS)
+
+    def replans(self, n: int) -> bool:
+        """Whether a ``begin(n)`` now makes a new residency plan (a page opening, a page not resident):
+        one then stages its pass from the host, whatever was staged ahead."""
+        n_pages = self._pages_after(n)
+        return n_pages != self._n_pages or any(p not in self.slot for p in range(self.length // PAGE_TOKENS, n_pages))
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k_new / v_new [n, KVH, D] -> attention output [n, H, D] in q's dtype."""

@@ -83,6 +83,16 @@ class StepStaging:
             self.ops.stage_rows(self._pos, self._slots, self._lens, self.tables, length, offset, n)
             self._device_ahead = (n, self._tables_version)
 
+    def restage_rows_on_device(self, lo: int, base: torch.Tensor, offset: int, m: int) -> None:
+        """Rows [lo, lo + m) of the pass ``stage_ahead`` staged, rewritten at ``base`` + ``offset``.. by
+        one launch, the rest of that staging kept: a drafter's chain launched before the round's
+        readback feeds the verify's rows at known positions and drafts after the accepted ones, at
+        positions only the device knows (``MTPDraft.propose_ahead``). ``base``: int64 [1] on the
+        device. A ``begin`` that re-plans stages the whole pass again from the host: the caller
+        launches only where ``replans`` says it does not."""
+        if m > 0:
+            self.ops.stage_rows(self._pos[lo:], self._slots[:, lo:], self._lens[lo:], self.tables, base, offset, m)
+
     def claim_staged(self, length: int) -> None:
         """The length ``stage_ahead_on_device`` staged at, now read back: a ``begin`` there stages nothing."""
         if self._device_ahead is not None:
@@ -136,7 +146,8 @@ class StepStaging:
         if not (0 <= lo and 0 < m and lo + m <= self._n <= MAX_N_Q):
             raise ValueError(f"rows [{lo}, {lo + m}) are not in the staged pass of {self._n} rows")
         self.pos, self.slots = self._pos[lo:lo + m], self._slots[:, lo:lo + m]
-        self.seq_len = self._lens[lo + m - 1:lo + m] if self.ops.triton else self.length + lo + m
+        # (off CUDA the value: the rows' positions are the staged ones, which may not follow the length)
+        self.seq_len = self._lens[lo + m - 1:lo + m] if self.ops.triton else int(self._lens[lo + m - 1])
         return self.pos
 
     def layout_key(self) -> tuple:

@@ -110,10 +110,14 @@ class _DeviceRound:
         self.readbacks: dict[int, Readback] = {}
         self.outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.device = device
-        # a round's three marks, made once: read within the round, so the next one may record them again
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else None
+        # two sets of a round's three marks, made once and used in turn: a round launched before the
+        # last one's readback (``run``'s ``ahead``) records its draft's marks before that round's are read
+        self.events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(2)] if self.cuda else None
+        self.set = 0  # the set the last launch took
         self.n_max = n_max
-        self.pending = None  # (n, its marks, (tokens, valid) or None): a round's draft part launched ahead
+        # a round's draft part launched ahead: (n, its marks' set, t0, t1, (tokens, valid) or None, the
+        # speculator that launched it before the last round's feedback, or None: the chain's pending round)
+        self.pending = None
         self.scratch = accept_scratch(1 + n_max, device) if self.cuda else None  # the acceptance kernel's
 
     def warm(self, vocab: int, synthetic: bool) -> None:
@@ -137,11 +141,11 @@ class _DeviceRound:
             self.outs[n] = tuple(torch.empty(m, dtype=torch.long, device=self.device) for m in (2 * n + 3, n + 1))
         return self.outs[n]
 
-    def _mark(self, i: int):
+    def _mark(self, s: int, i: int):
         if not self.cuda:
             return time.perf_counter()
-        self.events[i].record()
-        return self.events[i]
+        self.events[s][i].record()
+        return self.events[s][i]
 
     @staticmethod
     def _between(a, b) -> float:
@@ -153,26 +157,49 @@ class _DeviceRound:
         round's readback has said what it continues, so the device drafts while the host does that
         round's bookkeeping (telemetry, the eject policy) instead of waiting for it."""
         self.cancel(chain)
-        t0 = self._mark(0)
+        s = self.set = 1 - self.set
+        t0 = self._mark(s, 0)
         drafted = chain.propose_device(history, n)  # None: the chain drafts on the host this round
-        self.pending = (n, t0, self._mark(1), drafted)  # (the marks around the draft alone: its device time)
+        self.pending = (n, s, t0, self._mark(s, 1), drafted, None)  # (the marks around the draft alone)
+
+    def _launch_ahead(self, chain, n: int) -> bool:
+        """Queue the next round's draft part before this round's readback (``Chain.propose_ahead``: a
+        drafter whose next feed ``prepare`` staged on the device); False where it cannot."""
+        s = 1 - self.set
+        t0 = self._mark(s, 0)
+        out = chain.propose_ahead(n)
+        if out is None:
+            return False
+        self.set, (spec, drafted) = s, out
+        self.pending = (n, s, t0, self._mark(s, 1), drafted, spec)
+        return True
 
     def cancel(self, chain) -> None:
-        """Drop a launched round that will not be verified (a plain round, an eject, another length):
-        its speculator rolls its drafted rows back."""
+        """Drop a launched round that will not be verified (a plain round, an eject, another length, the
+        end of the output): its speculator rolls its drafted rows back."""
         pending, self.pending = self.pending, None
-        if pending is not None and pending[3] is not None:
+        if pending is None or pending[4] is None:
+            return
+        if pending[5] is not None:  # launched ahead: the chain's own pending round is settled already
+            pending[5].cancel_device_round()
+        else:
             chain.cancel_device()
 
-    def run(self, model, cache, chain, history: list[int], n: int, sampler: Sampler, alpha: float | None):
+    def run(self, model, cache, chain, history: list[int], n: int, sampler: Sampler, alpha: float | None,
+            ahead: int = 0):
         """(kept tokens, valid draft tokens, draft seconds, verify seconds) of one round, or None
         when the chain drafts on the host this round; its draft part ``launch``ed ahead, or now. A
-        drafter that reads the target's hidden states (an MTP head) gets the kept rows' (``observe``)."""
+        drafter that reads the target's hidden states (an MTP head) gets the kept rows' (``observe``).
+        ``ahead``: the next round's draft length where the engine knows it already; a drafter that
+        can (``propose_ahead``) then launches that round after ``prepare``, before this readback, so
+        the device drafts while the host reads back (``pending``; ``cancel`` drops it)."""
         if self.pending is None or self.pending[0] != n:
             self.launch(chain, history, n)
-        (_, t0, t1, drafted), self.pending = self.pending, None
+        (_, s, t0, t1, drafted, spec), self.pending = self.pending, None
         if drafted is None:
             return None
+        if spec is not None:
+            chain.resume(spec, n)
         tokens, valid = drafted
         self.batch.stage().numpy()[0] = history[-1]
         self.batch.send()
@@ -184,17 +211,19 @@ class _DeviceRound:
         logits, h = out if hidden else (out, None)
         rb = self.readbacks.get(n) or self.readbacks.setdefault(n, Readback(self.device, (2 * n + 3,), torch.long))
         result, kept_dev = accept_on_device(logits, tokens, valid, sampler, alpha, self.scratch, self._outputs(n))
-        t2 = self._mark(2)  # before the readback's own event: done when the read returns, so readable
+        t2 = self._mark(s, 2)  # before the readback's own event: done when the read returns, so readable
         rb.start(result)
         prepare = getattr(winner, "prepare", None)
         if prepare is not None:  # the next round's feed, staged while the device verifies (its few device
             # ops fall between the verify's events and the next draft's: in neither part's time)
             prepare(kept_dev, len(history) - 1, h=h[:1 + n] if hidden else None, accepted=result[:1])
+        launched = prepare is not None and ahead > 0 and self._launch_ahead(chain, ahead)
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]
         kept = toks[:accepted] + [top[accepted]]
         winner.read_device_round(toks, n_valid, kept)
-        if hidden:  # the kept rows' states: positions len(history) - 1 .. (the batch's first token on)
+        if hidden and not launched:  # the kept rows' states: positions len(history) - 1 .. (the batch's
+            # first token on); a round launched ahead has fed them already
             winner.observe(h[:len(kept)], kept, len(history) - 1)
         return kept, n_valid, self._between(t0, t1), self._between(t1, t2)
 
@@ -241,6 +270,7 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
     rounds = _DeviceRound(dev, n_max) if on_device else None
     queued = None  # (cache length before it, its logits, its hidden states or None): a plain step queued ahead
     length_policy = length_policy or Fixed(n_max)
+    static_length = getattr(length_policy, "static", False)  # its length needs no round's outcome
     watchers = [s for s in chain if getattr(s, "wants_hidden", False)]  # speculators fed the target's states
     # which states (Qwen.body's ``hidden``: the streams an MTP head reads): one pass serves every watcher
     features = watchers[0].wants_hidden if watchers else False
@@ -285,7 +315,11 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
         device_round = rounds is not None and n > 0 and not plain and queued is None
         if rounds is not None and not device_round:  # a round launched ahead that the bookkeeping then ruled out
             rounds.cancel(chain)
-        done = rounds.run(model, cache, chain, history, n, sampler, synthetic_acceptance) if device_round else None
+        # the next round's length, where it is known before this round's readback (a length policy that
+        # reads no round) and that round surely follows (not the output's end, room in the cache)
+        n_ahead = n_round if (static_length and len(out) + 1 + n < max_new_tokens
+                              and start + (1 + n) + (1 + n_round) <= cache.max_tokens) else 0
+        done = rounds.run(model, cache, chain, history, n, sampler, synthetic_acceptance, n_ahead) if device_round else None
         if done is not None:  # drafted, verified and accepted on the device
             kept, n_drafted, draft_s, verify_s = done
             width, stats = 1 + n, cache.stats
@@ -334,7 +368,9 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
             n_max, *last, accepted_total / drafted_total if drafted_total else None, dict(timing.width_s),
             timing.draft_s / timing.drafted if timing.drafted else None, n_round))
         n_next = min(n_round, cache.max_tokens - cache.length - 1)
-        if done is not None and out[-1] not in stop and len(out) < max_new_tokens and not chain.idle and n_next > 0:
+        if rounds is not None and rounds.pending is not None:  # launched before this round's readback: its
+            launched = time.perf_counter()  # time from here (cancelled below or at the next round if unused)
+        elif done is not None and out[-1] not in stop and len(out) < max_new_tokens and not chain.idle and n_next > 0:
             # the next device round's draft, queued before this round's bookkeeping (cancelled at the next
             # round if that bookkeeping ejects the draft or starts a plain measurement); its time from here
             launched = time.perf_counter()
@@ -354,6 +390,8 @@ def speculative_generate(model, cache, prompt: list[int], max_new_tokens: int, s
                 for s in chain})))
     if queued is not None:  # queued after the stop token that ended the loop: not part of the output
         cache.truncate(queued[0])
+    if rounds is not None:  # a round launched before the readback that ended the output
+        rounds.cancel(chain)
     bar.close()
     sync_device(dev)
     t2 = time.perf_counter()

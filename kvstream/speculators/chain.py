@@ -57,6 +57,21 @@ class Chain:
             self.last_winner, self._pending = spec, n
         return out
 
+    def propose_ahead(self, n: int) -> tuple[Speculator, Any] | None:
+        """The next round drafted on the device before the feedback on this one, by this round's
+        winner when it can (``MTPDraft.propose_ahead``): (that speculator, its (tokens, valid)), or
+        None. The chain's pending round stays this one until ``accepted``; ``resume`` then makes
+        the launched one pending."""
+        spec = self.last_winner
+        if n <= 0 or len(self.speculators) != 1 or spec is None or not spec.enabled or not hasattr(spec, "propose_ahead"):
+            return None
+        out = spec.propose_ahead(n)
+        return None if out is None else (spec, out)
+
+    def resume(self, spec: Speculator, n: int) -> None:
+        """A round ``propose_ahead`` launched becomes the pending one (after the last one's ``accepted``)."""
+        self.last_winner, self._pending = spec, n
+
     def cancel_device(self) -> None:
         """Drop the round ``propose_device`` drafted last, unverified: its speculator rolls its
         drafted rows back (``cancel_device_round``), as if the round had not been proposed."""

@@ -113,7 +113,9 @@ class MTPDraft(Speculator):
         self._backlog = HostRows(head.feature_dim, head.out_norm.dtype, pin=self.device.type == "cuda")
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0
-        self._prepared = None  # (first position, rows) of a next feed that ``prepare`` staged
+        self._prepared = None  # (first position, rows, accepted count kept) of a next feed ``prepare`` staged
+        self._ahead = None  # (the feed's first row, draft length) of a chain ``propose_ahead`` launched, unread
+        self._accepted_rows = torch.zeros(1, dtype=torch.long, device=self.device)  # its verify's accepted count
         # a round's feed and draft steps as one graph per (feed width, draft length) (``_run_chain``)
         self.chains = ChainGraphs(self.device) if self.graphs else None
 
@@ -227,10 +229,11 @@ class MTPDraft(Speculator):
             warm_widths(self.step, self.cache, [(w, False, True) for w in range(1, self.max_width + 1)])
             n = self.max_width - 1
             if self.device.type == "cuda" and n > 0:
-                for w in range(1, self.max_width + 1):
+                # every feed width, and a whole verify's feed launched ahead (``propose_ahead``)
+                for w, ahead in [(w, False) for w in range(1, self.max_width + 1)] + [(self.max_width, True)]:
                     if w + n - 1 <= CHAIN_ROWS:  # rows past the length, rolled back as a round's drafts are
                         length, committed = self.cache.length, self.committed
-                        self._run_chain(w, n)
+                        self._run_chain(w, n, ahead)
                         self.cache.truncate(length)
                         self.committed = committed
 
@@ -270,15 +273,20 @@ class MTPDraft(Speculator):
         self._round = n
         return self._run_chain(len(toks), n)
 
-    def _chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chain(self, w: int, n: int, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A round's device work between one ``begin(w + n - 1)`` and its ``commit``: the feed of
         the w staged rows, then n - 1 draft steps, each a row of its own (``sub_pass``) fed the
         step before's output state and token; (tokens [n] as target ids, the ``p_min`` stop as a
         mask [n]: ``stop_mask``). The same kernels on the same rows as a feed and n - 1
-        separate steps, so the same tokens, with one host pass instead of n."""
+        separate steps, so the same tokens, with one host pass instead of n. ``ahead``: the feed
+        is a whole verify's rows, of which the first ``_accepted_rows`` + 1 are kept: the chain
+        starts from the last kept row, and its steps' rows are where the device staged them
+        (``propose_ahead``), over the rejected rows' (never read: beyond each step's length)."""
         head, step, cache = self.head, self._step, self.cache
         pos = cache.sub_pass(0, w)
         logits, g = head.block(step.h_in[:w], self._ids.dst[:w], pos + step.offset, cache)
+        if ahead:
+            logits, g = logits.index_select(0, self._accepted_rows), g.index_select(0, self._accepted_rows)
         tokens, top = [], []
         for i in range(n):
             t, p = pick(logits[-1], self.p_min)
@@ -289,17 +297,18 @@ class MTPDraft(Speculator):
                 logits, g = head.block(g[-1:], tokens[-1], pos + step.offset, cache)
         return torch.cat(tokens), stop_mask(top, n, self.p_min, self.n_min, self.device)
 
-    def _run_chain(self, w: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_chain`` over the staged rows: eager, or (``graphs``) a graph captured once per (w, n)
+    def _run_chain(self, w: int, n: int, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_chain`` over the staged rows: eager, or (``graphs``) a graph captured once per (w, n, ahead)
         for the head's weights and the cache's layout. The fed rows become committed history;
         the drafted ones are rolled back after verification (``_accepted``)."""
         cache = self.cache
         cache.begin(w + n - 1)
         if self.graphs:  # (the weights' addresses, as ``pin`` took them, and the cache's layout)
-            out = self.chains.run((w, n), lambda: self._chain(w, n), cache, (self._graphed_at, cache.layout_key()))
+            out = self.chains.run((w, n, ahead), lambda: self._chain(w, n, ahead), cache,
+                                  (self._graphed_at, cache.layout_key()))
         else:
             with cache.compute():
-                out = self._chain(w, n)
+                out = self._chain(w, n, ahead)
         cache.commit()
         self.committed = cache.length - (n - 1)
         return out
@@ -312,7 +321,8 @@ class MTPDraft(Speculator):
         on the device); the drafted rows roll back now, and the head's cache stages the pass of the
         widest feed and draft. After the readback the round that ``observe`` hands the kept rows
         to launches without staging them (``_draft``); any other use of the head discards this.
-        (``accepted``, which a draft model's ``prepare`` reads, is not needed: every kept row is fed.)"""
+        ``accepted`` (int64 [1] on the device, the verify's accepted drafts) is kept for a chain
+        ``propose_ahead`` launches before the readback."""
         if h is None:
             return
         w = h.shape[0]
@@ -322,8 +332,30 @@ class MTPDraft(Speculator):
         self._set_offset(start)
         self._ids.dst[:w].copy_(kept)
         self._step.h_in[:w].copy_(h)
+        if accepted is not None:
+            self._accepted_rows.copy_(accepted.view(1))
         self.cache.stage_ahead(min(CHAIN_ROWS, w + self.max_width - 2))
-        self._prepared = (start, w)
+        self._prepared = (start, w, accepted is not None)
+
+    def propose_ahead(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The next round's chain, launched right after ``prepare``, before this round's readback (the
+        engine's ``_DeviceRound``): the device drafts while the host reads the round back and does its
+        bookkeeping, instead of waiting for it. The feed is the verify's w rows whatever was kept (the
+        host does not know yet): the chain starts from row ``accepted`` (``_chain(ahead=True)``) and
+        its n - 1 steps' rows are staged by the device after the kept ones. ``read_device_round``
+        then tells the host how many fed rows are history; this round's ``observe`` is not needed
+        (the engine skips it). None (launch after the readback) where the pass would re-plan (a page
+        opening stages it from the host), nothing was staged, or the pass is wider than a chain."""
+        prepared, cache = self._prepared, self.cache
+        if prepared is None or not prepared[2] or cache is None:
+            return None
+        w, at = prepared[1], cache.length
+        if n <= 0 or w + n - 1 > CHAIN_ROWS or at + w + n - 1 > cache.max_tokens or cache.replans(w + n - 1):
+            return None
+        cache.restage_rows_on_device(w, self._accepted_rows, at + 1, n - 1)  # rows at + accepted + 1..
+        self._prepared, self._ahead, self._round = None, (at, n), n
+        self.stats.calls += 1
+        return self._run_chain(w, n, ahead=True)
 
     def propose_device(self, history: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``DraftModel.propose_device``'s contract: (tokens [n], valid [n]) without a host sync."""
@@ -341,12 +373,20 @@ class MTPDraft(Speculator):
             self.stats.calls -= 1
 
     def read_device_round(self, tokens: list[int], n_valid: int, kept: list[int]) -> None:
-        self._round = 0
+        """A verified round's tokens, read back. With the next chain launched ahead (``propose_ahead``),
+        its feed's first ``len(kept)`` rows are now known history: the host's length drops the rest
+        (the device's rows stay where its steps read them)."""
+        if self._ahead is not None:
+            (at, _), self._ahead = self._ahead, None
+            self.committed = at + len(kept)
+            self.cache.truncate(self.committed)
+        else:
+            self._round = 0
+            if not n_valid:  # every draft masked (p_min): no feedback comes (Speculator.accepted): the rows go now
+                self.cache.truncate(self.committed)
         if n_valid:
             self.stats.drafts += 1
             self.stats.drafted_tokens += n_valid
-        else:  # every draft masked (p_min): no feedback comes (Speculator.accepted), so the drafted rows go now
-            self.cache.truncate(self.committed)
 
     def _propose(self, history: list[int], n_max: int, state) -> list[int]:
         out = self._draft(history, n_max)
