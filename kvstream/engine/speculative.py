@@ -31,9 +31,12 @@ target's argmax there. A drafter with ``prepare`` stages its next round's feed b
 readback, from the kept tokens and the accepted count on the device (the MTP head also from the
 verify's states): after the readback the host launches the next round without staging it, and
 does so before the round's bookkeeping (telemetry, the eject policy; the length policy decides
-first), so the device drafts while the host records. A launched round that the bookkeeping rules
-out (an eject, a plain measurement) is dropped (``Chain.cancel_device``: its drafted rows roll
-back).
+first), so the device drafts while the host records. Where the next round's length is known
+before the readback (a length policy that reads no round: ``Fixed``) and its drafter can start
+from what ``prepare`` staged on the device (``Chain.propose_ahead``: the MTP head), that round is
+launched before the readback instead, so the device drafts while the host reads back too. A
+launched round that the bookkeeping rules out (an eject, a plain measurement, the output's end)
+is dropped (``Chain.cancel_device``: its drafted rows roll back).
 """
 
 from __future__ import annotations

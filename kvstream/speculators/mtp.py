@@ -22,7 +22,8 @@ as separate captured steps, a round's feed and 4 steps cost 1.5 ms at 4K on the 
 their device time: ``results/mtp_h200_graphed``). In device rounds the next round's feed is staged
 before the round's readback (``prepare``: the verify's states and the kept tokens on the device,
 the head's pass staged ahead), so after the readback the host launches the next round without
-staging it. Feeds too wide for one pass (the prompt's last chunk) and a re-enable's catch-up run
+staging it; with a fixed draft length the engine launches that round before the readback
+(``propose_ahead``: the feed is the verify's rows, the chain starts from the last kept one). Feeds too wide for one pass (the prompt's last chunk) and a re-enable's catch-up run
 as separate steps, each a graph per width (``HeadStep`` through ``GraphedModel``). While ejected
 the head still reads the target's states, into host memory (``feature_dim`` values a token); the
 first round after a re-enable makes their rows, so its KV holds every committed row again, like
