@@ -39,3 +39,20 @@ def test_pick_is_the_argmax_and_its_probability_only_with_a_stop():
     assert int(t) == 1 and p is None
     t, p = pick(logits, 0.3)
     assert int(t) == 1 and float(p) == pytest.approx(float(torch.softmax(logits, -1)[1]))
+
+
+def test_pick_through_the_argmax_kernel_is_torchs_argmax():
+    """With a drafter's scratch (CUDA; here the interpreter) the greedy pick is ``kernels.argmax``:
+    torch.argmax's index exactly (the first of equal maxima, across the kernel's blocks), and the
+    scratch is left ready for the chain's next step."""
+    from kernels.argmax import BLOCK, scratch_for
+
+    scratch = scratch_for("cpu")
+    logits = torch.randn(2 * BLOCK + 7, generator=torch.Generator().manual_seed(5))
+    logits[[BLOCK + 2, 2 * BLOCK + 3]] = 9.0  # equal maxima in two programs: the first wins
+    for x in (logits, logits[:BLOCK]):
+        t, p = pick(x, 0.0, scratch)
+        assert t.shape == () and int(t) == int(torch.argmax(x)) and p is None
+    assert scratch.tolist() == [torch.iinfo(torch.int64).min, 0]
+    t, p = pick(logits, 0.3, scratch)  # with a stop: the softmax's maximum, as before
+    assert int(t) == BLOCK + 2 and float(p) == pytest.approx(float(torch.softmax(logits, -1).max()))

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import torch
 
+from kernels.argmax import argmax
 
-def pick(logits: torch.Tensor, p_min: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+
+def pick(logits: torch.Tensor, p_min: float, scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(greedy token, its softmax probability or None when ``p_min`` is 0) of a step's last
-    logits; without a stop the argmax alone (a softmax over the vocabulary costs ~30 us a step)."""
+    logits [V]; without a stop the argmax alone (a softmax over the vocabulary costs ~30 us a
+    step), by ``kernels.argmax`` where the drafter gives its ``scratch`` (``kernels.argmax.scratch_for``,
+    CUDA; made with the drafter, not in a chain's capture, whose allocations are the graph's):
+    torch.argmax's index in one launch, where torch's reduction took ~10 us a step over a head's
+    32768 logits on the H100 (``results/round/ahead_session14``)."""
     if p_min > 0:
         p, t = torch.softmax(logits.float(), -1).max(-1)
         return t, p
+    if scratch is not None and logits.dim() == 1 and logits.dtype == torch.float32 and logits.is_contiguous():
+        return argmax(logits, scratch)[0], None
     return logits.argmax(-1), None
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.argmax import scratch_for
 from kernels.decode_attention import MAX_N_Q
 
 from kvstream.cache.arena import Arena, both_slabs_bytes, pins_bytes
@@ -124,6 +125,7 @@ class DraftModel(Speculator):
         # a device round's catch-up tokens, copied from pinned buffers (a pageable copy syncs)
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._pair = torch.arange(2, device=self.device)  # (``prepare``'s offsets, made once)
+        self._argmax = scratch_for(self.device) if self.device.type == "cuda" else None  # a chain's greedy picks'
         self._round = 0  # draft tokens of the device round awaiting read_device_round
         # the next round's (cache length, catch-up ids) that ``prepare`` staged, once its readback told
         # them ("device" until then)
@@ -359,7 +361,7 @@ class DraftModel(Speculator):
         logits = model.body(self._ids.dst[:w], cache.sub_pass(0, w), cache)[-1]
         tokens, top = [], []
         for i in range(n):
-            t, p = pick(logits, self.p_min)
+            t, p = pick(logits, self.p_min, self._argmax)
             tokens.append(t.view(1))
             top += [p] if p is not None else []
             if i + 1 < n:

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kernels.argmax import scratch_for
 from kernels.decode_attention import MAX_N_Q
 
 from kvstream.cache.arena import Arena, pins_bytes
@@ -117,6 +118,7 @@ class MTPDraft(Speculator):
         self._prepared = None  # (first position, rows, accepted count kept) of a next feed ``prepare`` staged
         self._ahead = None  # (the feed's first row, draft length) of a chain ``propose_ahead`` launched, unread
         self._accepted_rows = torch.zeros(1, dtype=torch.long, device=self.device)  # its verify's accepted count
+        self._argmax = scratch_for(self.device) if self.device.type == "cuda" else None  # a chain's greedy picks'
         # a round's feed and draft steps as one graph per (feed width, draft length) (``_run_chain``)
         self.chains = ChainGraphs(self.device) if self.graphs else None
 
@@ -290,7 +292,7 @@ class MTPDraft(Speculator):
             logits, g = logits.index_select(0, self._accepted_rows), g.index_select(0, self._accepted_rows)
         tokens, top = [], []
         for i in range(n):
-            t, p = pick(logits[-1], self.p_min)
+            t, p = pick(logits[-1], self.p_min, self._argmax)
             tokens.append(head.to_target(t.view(1)))
             top += [p] if p is not None else []
             if i + 1 < n:
