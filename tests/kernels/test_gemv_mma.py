@@ -53,7 +53,14 @@ def test_glu_equals_the_matmul_then_silu_mul(dtype, n, F, launch):
     g = torch.Generator().manual_seed(n + F)
     w = torch.randn(2 * F, 96, generator=g).to(dtype).to(DEVICE)
     x = torch.randn(n, 96, generator=g).to(dtype).to(DEVICE)
-    assert torch.equal(gemv_mma(x, w, glu=True, launch=launch), silu_mul(gemv_mma(x, w, launch=launch)))
+    fused, apart = gemv_mma(x, w, glu=True, launch=launch), silu_mul(gemv_mma(x, w, launch=launch))
+    if DEVICE.type == "cuda":
+        assert torch.equal(fused, apart)
+    else:  # the interpreter's tl.dot is numpy's matmul, whose BLAS picks its summation order by the tile's
+        # shape (the glu launch loads gate and up together): on some CPUs the sums differ in their last
+        # fp32 bits (seen: 78 of 120 values, at most 6e-5 on sums of ~10), which silu_mul keeps: 4 ulps
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(fused, apart, rtol=4 * eps, atol=4 * eps * float(apart.abs().max()))
 
 
 @pytest.mark.parametrize("x, w, kw, match", [
