@@ -23,8 +23,9 @@ their device time: ``results/mtp_h200_graphed``). In device rounds the next roun
 before the round's readback (``prepare``: the verify's states and the kept tokens on the device,
 the head's pass staged ahead), so after the readback the host launches the next round without
 staging it; with a fixed draft length the engine launches that round before the readback
-(``propose_ahead``: the feed is the verify's rows, the chain starts from the last kept one). Feeds too wide for one pass (the prompt's last chunk) and a re-enable's catch-up run
-as separate steps, each a graph per width (``HeadStep`` through ``GraphedModel``). While ejected
+(``propose_ahead``: the feed is the verify's rows, the chain starts from the last kept one).
+Feeds too wide for one pass (the prompt's last chunk) and a re-enable's catch-up run as separate
+steps, each a graph per width (``HeadStep`` through ``GraphedModel``). While ejected
 the head still reads the target's states, into host memory (``feature_dim`` values a token); the
 first round after a re-enable makes their rows, so its KV holds every committed row again, like
 the draft model's catch-up from the tokens.
@@ -116,7 +117,7 @@ class MTPDraft(Speculator):
         self._ids = PinnedUpload(torch.zeros(MAX_N_Q, dtype=torch.long, device=self.device), buffers=4)
         self._round = 0
         self._prepared = None  # (first position, rows, accepted count kept) of a next feed ``prepare`` staged
-        self._ahead = None  # (the feed's first row, draft length) of a chain ``propose_ahead`` launched, unread
+        self._ahead = None  # the feed's first row of a chain ``propose_ahead`` launched, before its round's readback
         self._accepted_rows = torch.zeros(1, dtype=torch.long, device=self.device)  # its verify's accepted count
         self._argmax = scratch_for(self.device) if self.device.type == "cuda" else None  # a chain's greedy picks'
         # a round's feed and draft steps as one graph per (feed width, draft length) (``_run_chain``)
@@ -356,7 +357,7 @@ class MTPDraft(Speculator):
         if n <= 0 or w + n - 1 > CHAIN_ROWS or at + w + n - 1 > cache.max_tokens or cache.replans(w + n - 1):
             return None
         cache.restage_rows_on_device(w, self._accepted_rows, at + 1, n - 1)  # rows at + accepted + 1..
-        self._prepared, self._ahead, self._round = None, (at, n), n
+        self._prepared, self._ahead, self._round = None, at, n
         self.stats.calls += 1
         return self._run_chain(w, n, ahead=True)
 
@@ -380,8 +381,7 @@ class MTPDraft(Speculator):
         its feed's first ``len(kept)`` rows are now known history: the host's length drops the rest
         (the device's rows stay where its steps read them)."""
         if self._ahead is not None:
-            (at, _), self._ahead = self._ahead, None
-            self.committed = at + len(kept)
+            self.committed, self._ahead = self._ahead + len(kept), None
             self.cache.truncate(self.committed)
         else:
             self._round = 0
