@@ -83,6 +83,12 @@ class StepStaging:
             self.ops.stage_rows(self._pos, self._slots, self._lens, self.tables, length, offset, n)
             self._device_ahead = (n, self._tables_version)
 
+    def staged_ahead(self, n: int) -> bool:
+        """Whether ``stage_ahead`` left a pass of ``n`` rows at the current length that a ``begin(n)``
+        would use (no plan since)."""
+        ahead = self._ahead
+        return ahead is not None and ahead[0] == self.length and n <= ahead[1] and ahead[2] == self._tables_version
+
     def restage_rows_on_device(self, lo: int, base: torch.Tensor, offset: int, m: int) -> None:
         """Rows [lo, lo + m) of the pass ``stage_ahead`` staged, rewritten at ``base`` + ``offset``.. by
         one launch, the rest of that staging kept: a drafter's chain launched before the round's
@@ -119,10 +125,8 @@ class StepStaging:
 
     def _staged(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``begin``'s staging of a decode pass of ``n`` rows: what ``stage_ahead`` left, if it holds."""
-        ahead, self._ahead, self._device_ahead = self._ahead, None, None
-        if ahead is not None and ahead[0] == self.length and n <= ahead[1] and ahead[2] == self._tables_version:
-            return self._pos[:n], self._slots[:, :n]
-        return self._stage_step(n)
+        staged, self._ahead, self._device_ahead = self.staged_ahead(n), None, None
+        return (self._pos[:n], self._slots[:, :n]) if staged else self._stage_step(n)
 
     def _stage_step(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and slots of a decode step from the host's page tables, written into the

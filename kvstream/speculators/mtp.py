@@ -349,13 +349,13 @@ class MTPDraft(Speculator):
         its n - 1 steps' rows are staged by the device after the kept ones. ``read_device_round``
         then tells the host how many fed rows are history; this round's ``observe`` is not needed
         (the engine skips it). None (launch after the readback) where the pass would re-plan (a page
-        opening stages it from the host), nothing was staged, or the pass is wider than a chain."""
+        opening stages it from the host), nothing was staged for it, or the pass is wider than a chain."""
         prepared, cache = self._prepared, self.cache
         if prepared is None or not prepared[2] or cache is None:
             return None
         w, at = prepared[1], cache.length
-        if n <= 0 or w + n - 1 > CHAIN_ROWS or at + w + n - 1 > cache.max_tokens or cache.replans(w + n - 1):
-            return None
+        if n <= 0 or w + n - 1 > CHAIN_ROWS or cache.replans(w + n - 1) or not cache.staged_ahead(w + n - 1):
+            return None  # (what ``begin`` stages from the host would undo the rows staged below)
         cache.restage_rows_on_device(w, self._accepted_rows, at + 1, n - 1)  # rows at + accepted + 1..
         self._prepared, self._ahead, self._round = None, at, n
         self.stats.calls += 1
