@@ -59,8 +59,13 @@ def model(files):
 
 @pytest.fixture(scope="module")
 def plain(model):
+    return plain_tokens(model, NEW)
+
+
+def plain_tokens(model, new: int) -> list[int]:
+    """Plain greedy decoding of ``new`` tokens after PROMPT, the reference every drafted decode equals."""
     cache = make_cache(CacheConfig(mode="resident"), ArenaConfig(), model, 1024, CHUNK)
-    return generate(model, cache, PROMPT, NEW, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
+    return generate(model, cache, PROMPT, new, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
 
 
 def run_mtp(model, files, policy=None, device_rounds=False, n_max=4, chain=None, step=None, head_graphs=False,
@@ -386,15 +391,12 @@ def test_a_heads_next_round_launches_before_the_readback(model, files, plain, al
     rounds = sum(r.verify_width > 1 for r in g.records)
     # (synthetic acceptance keeps drafts whatever the target says: its tokens are not plain decoding's;
     # that each of its rounds drafts the head's chain is test_every_rounds_draft_is_the_heads_chain...'s)
-    assert (alpha is not None or g.tokens == plain_tokens(model, 150)) and mtp.stats.calls == rounds
+    want = plain_tokens(model, 150)
+    assert (alpha is not None or g.tokens == want) and mtp.stats.calls == rounds
     pages = mtp.cache.length // 256 - len(PROMPT) // 256  # the head's KV pages opened while decoding
     fallbacks = 1 + 5 + 8 * pages  # the first round, the last five at most, at page openings
     assert rounds - fallbacks <= sum(out is not None for out in launched) < rounds, (launched, rounds, pages)
     launched.clear()
     g, *_ = run_mtp(model, files, device_rounds=True, alpha=alpha, new=60, length_policy=Heuristic(n_min=1, start=2))
-    assert (alpha is not None or g.tokens == plain_tokens(model, 60)) and launched == []
+    assert (alpha is not None or g.tokens == want[:60]) and launched == []  # (no stop token: a prefix)
 
-
-def plain_tokens(model, new: int) -> list[int]:
-    cache = make_cache(CacheConfig(mode="resident"), ArenaConfig(), model, 1024, CHUNK)
-    return generate(model, cache, PROMPT, new, Sampler(GREEDY), prefill_chunk=CHUNK).tokens
