@@ -399,4 +399,3 @@ def test_a_heads_next_round_launches_before_the_readback(model, files, plain, al
     launched.clear()
     g, *_ = run_mtp(model, files, device_rounds=True, alpha=alpha, new=60, length_policy=Heuristic(n_min=1, start=2))
     assert (alpha is not None or g.tokens == want[:60]) and launched == []  # (no stop token: a prefix)
-
