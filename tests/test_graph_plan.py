@@ -121,3 +121,26 @@ def test_page_openings_keep_the_step_shape(model, tokens, ring):
     else:
         assert len({k for k, *_ in seen}) == 9 and len({shape for _, shape, *_ in seen}) == 1
         assert len({tuple(rows) for _, _, rows, *_ in seen}) == 1 and all(r[-1] == 2 for r in seen[0][2])
+
+
+def test_a_capture_runs_with_cycle_collection_off():
+    """``graphs._no_collection`` (around every capture): no collection inside, so no dropped cache's
+    finalizer gives its memory pool back mid-capture (that aborts the process on CUDA); collection is
+    back after, an exception included, and stays off where it was off."""
+    import gc
+
+    from kvstream.engine.graphs import _no_collection
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with _no_collection():
+            assert not gc.isenabled()
+            raise RuntimeError("a capture that fails")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _no_collection():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -27,6 +27,7 @@ logits are bit-identical: tested on the H200 (tests/test_cuda.py) up to 1K token
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import weakref
 from dataclasses import dataclass
@@ -212,6 +213,22 @@ class ChainGraphs:
         return entry[1]
 
 
+@contextlib.contextmanager
+def _no_collection():
+    """No cycle collection inside: it runs the finalizers of whatever dropped objects it finds, and a
+    dropped cache's (``PagedCache.__del__``) gives back its slab's memory pool, whose release during a
+    capture fails torch's ``captures_underway.empty()`` assertion and aborts the process (seen on the
+    H200 in tests/test_cuda.py, a collection inside a capture's Triton compile). The cycles wait for
+    the next collection after the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def capture(body, cache, pool, stream, owner: dict, keep_graph: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, its output buffers) of ``body``, device work between ``cache.begin`` and
     ``cache.commit``: run once eagerly on ``stream`` (Triton compiles, the allocator warms), then
@@ -224,7 +241,7 @@ def capture(body, cache, pool, stream, owner: dict, keep_graph: bool = False) ->
         body()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
-    with slab.scope(route=False) if slab is not None else contextlib.nullcontext():
+    with slab.scope(route=False) if slab is not None else contextlib.nullcontext(), _no_collection():
         with torch.cuda.graph(graph, pool=pool if slab is None else slab.id, stream=stream):
             out = body()
     if keep_graph:
