@@ -817,6 +817,7 @@ def test_a_device_round_stages_the_drafts_next_round_before_its_readback(model, 
 
         draft.propose_device, draft._run_chain = spy, chain
         with monkeypatch.context() as m:
+            m.setattr(DraftModel, "_fits_ahead", lambda *a: False)  # (launched ahead: the test above)
             m.setattr(DraftModel, "_stage", ids)
             m.setattr(PagedCache, "_stage_step", step)
             if not prepare:
@@ -845,6 +846,53 @@ def test_a_device_round_stages_the_drafts_next_round_before_its_readback(model, 
     assert off["passes"] - on["passes"] == rounds - 1 - on["plans"] and on["plans"] == off["plans"]
 
 
+@pytest.mark.parametrize("alpha, p_min", [(None, 0.0), (0.5, 0.0), (1.0, 0.0), (None, 0.1)])
+def test_the_drafts_next_round_launches_before_the_readback(model, host, plain, alpha, p_min, monkeypatch):
+    """Device rounds with a fixed draft length: the draft's next round is launched right after
+    ``prepare``, before the round's readback (``propose_ahead``), its catch-up the two rows before
+    and at the target's token, at positions only the device knows. Every round runs so but the
+    first, the last few and those whose pass would open a page of the draft's KV. The tokens and the
+    per-round counts are those of the same decode launching after each readback (real acceptance:
+    plain decoding's; alpha 0.5: both catch-up widths; p_min 0.1: rounds with every draft masked),
+    the draft's history is the output's, and its KV holds exactly that history (every row equal to
+    a fresh draft's catch-up over it, within the fp32 sums' order: a re-fed row is a two-row pass's). A length policy
+    that reads the rounds launches none."""
+    from policies.draft_length import Heuristic
+
+    def decode(ahead: bool, length_policy=None):
+        launched, propose_ahead = [], DraftModel.propose_ahead
+        cache = target_cache(model, arena_mib(model, host, 2))
+        draft = new_draft(host, p_min=p_min, sampling=GREEDY)
+        with monkeypatch.context() as m:
+            m.setattr(DraftModel, "propose_ahead", lambda self, n: launched.append(propose_ahead(self, n)) or launched[-1])
+            if not ahead:
+                m.setattr(DraftModel, "_fits_ahead", lambda self, at, n, k: False)
+            g = speculative_generate(model, cache, PROMPT, NEW, Sampler(GREEDY), Chain([draft]), n_max=4,
+                                     prefill_chunk=CHUNK, control=DraftControl(draft, cache, Never()),
+                                     synthetic_acceptance=alpha, device_rounds=True, length_policy=length_policy)
+        assert draft.fed == (PROMPT + g.tokens)[:len(draft.fed)] and draft.cache.length == len(draft.fed)
+        return g, draft, [out is not None for out in launched]
+
+    (g, draft, launched), (g_off, _, off) = decode(True), decode(False)
+    rounds = sum(r.verify_width > 1 for r in g.records)
+    assert g.tokens == g_off.tokens and (alpha is not None or g.tokens == plain) and not any(off)
+    assert [(r.drafted, r.accepted) for r in g.records] == [(r.drafted, r.accepted) for r in g_off.records]
+    assert draft.stats.calls == rounds and draft.stats.drafted_tokens == sum(r.drafted for r in g.records)
+    opened = draft.cache.length // 256 - len(PROMPT) // 256  # the draft's KV pages opened while decoding
+    assert rounds - (1 + 5 + 9 * opened) <= sum(launched) < rounds, (launched, rounds, opened)
+    if p_min:
+        assert any(r.drafted == 0 for r in g.records[1:])
+    fresh = new_draft(host, sampling=GREEDY)  # the KV rows the history makes, fed in chunks
+    fresh.pin(Arena(64 * MIB, "cpu"))
+    with torch.inference_mode():
+        fresh._feed(draft.fed)
+        a, b = draft.model(torch.tensor([7]), draft.cache)[-1], fresh.model(torch.tensor([7]), fresh.cache)[-1]
+    # other batches, so other fp32 sum orders (2e-6 of logits ~3 here); a wrong or missing row moves them by ~0.1
+    assert torch.allclose(a, b, rtol=0, atol=1e-4)
+    g, _, launched = decode(True, Heuristic(n_min=1, start=2))
+    assert (alpha is not None or g.tokens == plain) and launched == []
+
+
 @pytest.mark.parametrize("n_max", [4, 15])
 def test_a_device_round_is_one_pass_of_the_draft_cache(model, host, n_max, monkeypatch):
     """A device round's catch-up and its n - 1 draft steps are one ``begin`` / ``commit`` of the
@@ -855,6 +903,7 @@ def test_a_device_round_is_one_pass_of_the_draft_cache(model, host, n_max, monke
 
     out = []
     real_begin = PagedCache.begin
+    monkeypatch.setattr(DraftModel, "_fits_ahead", lambda *a: False)  # rounds launched after each readback
     for device_rounds in (False, True):
         cache = target_cache(model, arena_mib(model, host, 3), verify_width=1 + n_max)  # (a wider slab)
         draft = new_draft(host, p_min=0.0, sampling=GREEDY, run_ahead=False)

@@ -166,11 +166,12 @@ class PagedCache(ArenaLayout, ResidencyPlan, RingStreaming, StepStaging, CacheBa
     def _pages_after(self, n: int) -> int:
         return -(-(self.length + n) // PAGE_TOKENS)
 
-    def replans(self, n: int) -> bool:
-        """Whether a ``begin(n)`` now makes a new residency plan (a page opening, a page not resident):
-        one then stages its pass from the host, whatever was staged ahead."""
-        n_pages = self._pages_after(n)
-        return n_pages != self._n_pages or any(p not in self.slot for p in range(self.length // PAGE_TOKENS, n_pages))
+    def replans(self, n: int, at: int | None = None) -> bool:
+        """Whether a ``begin(n)`` now (or once truncated to ``at``) makes a new residency plan (a page
+        opening, a page not resident): one then stages its pass from the host, whatever was staged ahead."""
+        at = self.length if at is None else at
+        n_pages = -(-(at + n) // PAGE_TOKENS)
+        return n_pages != self._n_pages or any(p not in self.slot for p in range(at // PAGE_TOKENS, n_pages))
 
     def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """q [n, H, D], k_new / v_new [n, KVH, D] -> attention output [n, H, D] in q's dtype."""

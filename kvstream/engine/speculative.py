@@ -219,7 +219,8 @@ class _DeviceRound:
         prepare = getattr(winner, "prepare", None)
         if prepare is not None:  # the next round's feed, staged while the device verifies (its few device
             # ops fall between the verify's events and the next draft's: in neither part's time)
-            prepare(kept_dev, len(history) - 1, h=h[:1 + n] if hidden else None, accepted=result[:1])
+            prepare(kept_dev, len(history) - 1, h=h[:1 + n] if hidden else None, accepted=result[:1], fed=batch,
+                    ahead=ahead)
         launched = prepare is not None and ahead > 0 and self._launch_ahead(chain, ahead)
         out = rb.read().tolist()
         accepted, n_valid, toks, top = out[0], out[1], out[2:2 + n], out[2 + n:]

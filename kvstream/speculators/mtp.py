@@ -318,7 +318,7 @@ class MTPDraft(Speculator):
         return out
 
     def prepare(self, kept: torch.Tensor, start: int, h: torch.Tensor | None = None,
-                accepted: torch.Tensor | None = None) -> None:
+                accepted: torch.Tensor | None = None, fed: torch.Tensor | None = None, ahead: int = 0) -> None:
         """Stage the next round's feed before this round's readback, while the device verifies (the
         host would only wait): the feed is this round's kept rows, a prefix of the verify's w rows
         (its states ``h`` [w, feature_dim] from position ``start``, their next tokens ``kept`` [w],
@@ -326,7 +326,9 @@ class MTPDraft(Speculator):
         widest feed and draft. After the readback the round that ``observe`` hands the kept rows
         to launches without staging them (``_draft``); any other use of the head discards this.
         ``accepted`` (int64 [1] on the device, the verify's accepted drafts) is kept for a chain
-        ``propose_ahead`` launches before the readback."""
+        ``propose_ahead`` launches before the readback. ``fed`` and ``ahead`` (the verify's input and the
+        next round's length where it launches ahead) are the draft model's: the head's feed is the whole
+        verify whether or not it launches ahead."""
         if h is None:
             return
         w = h.shape[0]
