@@ -369,11 +369,13 @@ def test_graphed_speculative_decoding_with_a_pinned_draft(tmp_path, eject, gemv)
         assert runs[0] == generate(plain, cache(plain), t.PROMPT, t.NEW, greedy, prefill_chunk=t.CHUNK).tokens
 
 
-def test_graphed_device_rounds_with_a_draft_model_equal_eager_ones(tmp_path):
+@pytest.mark.parametrize("n_max", [8, 4])
+def test_graphed_device_rounds_with_a_draft_model_equal_eager_ones(tmp_path, monkeypatch, n_max):
     """Device rounds whose catch-up and draft steps replay one graph per (catch-up width, draft
     length) (``DraftModel._run_chain``): the tokens of eager device rounds and of plain decoding;
-    every chain was captured at the warm-up (catch-up widths 1..9 at 8 draft steps), none during
-    the decode."""
+    every chain was captured at the warm-up (catch-up widths 1..1 + n_max at n_max draft steps), none
+    during the decode. At 4 draft steps most rounds launch before the last one's readback (``propose_ahead``:
+    a pass of 9 rows; at 8 its 17 rows are more than a pass, so none does)."""
     import test_draft as t
     from kvstream.cache.arena import MIB, Arena
     from kvstream.cache.factory import make_cache
@@ -395,16 +397,23 @@ def test_graphed_device_rounds_with_a_draft_model_equal_eager_ones(tmp_path):
     cache = lambda: make_cache(CacheConfig(mode="stream", ring_pages="4"), ArenaConfig(), m, 1024, t.CHUNK, 9,
                                pinned_bytes=nbytes + MIB)
     plain = generate(m, cache(), t.PROMPT, t.NEW, greedy, prefill_chunk=t.CHUNK).tokens
+    launched, ahead = [], DraftModel.propose_ahead
+    monkeypatch.setattr(DraftModel, "propose_ahead", lambda self, n: launched.append(ahead(self, n)) or launched[-1])
     runs = []
     for graphs in (False, True):
-        c, draft = cache(), DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK, graphs=graphs, max_width=9)
+        launched.clear()
+        c, draft = cache(), DraftModel(host, "cuda", max_tokens=1024, chunk=t.CHUNK, graphs=graphs,
+                                       max_width=1 + n_max)
         g = speculative_generate(GraphedModel(m) if graphs else m, c, t.PROMPT, t.NEW, greedy, Chain([draft]),
-                                 n_max=8, prefill_chunk=t.CHUNK, control=DraftControl(draft, c, Never()),
+                                 n_max=n_max, prefill_chunk=t.CHUNK, control=DraftControl(draft, c, Never()),
                                  device_rounds=True)
         runs.append(g.tokens)
         assert draft.stats.calls > 2 and draft.fed == (t.PROMPT + g.tokens)[:len(draft.fed)]
+        n_ahead = sum(out is not None for out in launched)
+        assert n_ahead == 0 if n_max == 8 else n_ahead >= draft.stats.calls // 2, (n_ahead, draft.stats.calls)
     assert runs[0] == runs[1] == plain
-    assert draft.chains.captures == 9 and set(draft.chains.graphs) == {(w, 8) for w in range(1, 10)}
+    widths = range(1, 2 + n_max)
+    assert draft.chains.captures == len(widths) and set(draft.chains.graphs) == {(w, n_max) for w in widths}
 
 
 def test_a_reenabled_draft_replays_its_graphs(tmp_path):
@@ -854,8 +863,8 @@ def test_captured_head_steps_draft_what_eager_ones_do(tmp_path, monkeypatch, dra
         drafted[graphs] = (g.tokens, [r for r in rounds if r is not None])
     assert drafted[True] == drafted[False] and len(drafted[True][1]) > 4
     # warm-up captured each feed width (1..5) once, and a round's feed + 4 draft steps (one graph) per
-    # feed width; no round captured
-    assert mtp.step is mtp._graphed and mtp._graphed.captures == 5 and mtp.chains.captures == 5
+    # feed width and for a whole verify's feed launched ahead (``propose_ahead``); no round captured
+    assert mtp.step is mtp._graphed and mtp._graphed.captures == 5 and mtp.chains.captures == 6
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
