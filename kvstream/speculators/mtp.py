@@ -327,8 +327,8 @@ class MTPDraft(Speculator):
         to launches without staging them (``_draft``); any other use of the head discards this.
         ``accepted`` (int64 [1] on the device, the verify's accepted drafts) is kept for a chain
         ``propose_ahead`` launches before the readback. ``fed`` and ``ahead`` (the verify's input and the
-        next round's length where it launches ahead) are the draft model's: the head's feed is the whole
-        verify whether or not it launches ahead."""
+        next round's length where it launches ahead) are the draft model's: the head stages the whole
+        verify's rows either way."""
         if h is None:
             return
         w = h.shape[0]
