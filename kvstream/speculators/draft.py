@@ -131,7 +131,7 @@ class DraftModel(Speculator):
         self._pair = torch.arange(2, device=self.device)  # (``prepare``'s offsets, made once)
         self._argmax = scratch_for(self.device) if self.device.type == "cuda" else None  # a chain's greedy picks'
         self._round = 0  # draft tokens of the device round awaiting read_device_round
-        self._ahead = None  # (this round's, the next round's draft length) once ``propose_ahead`` launched it
+        self._ahead = None  # the next round's draft length once ``propose_ahead`` launched it
         self._fed_ahead = False  # the verified round's feedback came with the next round, launched ahead
         # the next round's (cache length, catch-up ids) that ``prepare`` staged, once its readback told
         # them ("device" until then)
@@ -445,7 +445,7 @@ class DraftModel(Speculator):
         cache.truncate(at - 1)
         cache.stage_ahead(rows)
         cache.restage_rows_on_device(0, accepted, at - 1, 1 + n)
-        self._prepared, self._ahead = None, (self._round, n)
+        self._prepared, self._ahead = None, n
         self.stats.calls += 1
         return self._run_chain(2, n, rows)
 
@@ -456,7 +456,7 @@ class DraftModel(Speculator):
         ahead, the history is now this one's plus ``kept`` (that round's catch-up), and the host's
         length that round's rows."""
         if self._ahead is not None:
-            n_next, self._ahead = self._ahead[1], None
+            n_next, self._ahead = self._ahead, None
             self.fed.extend(kept)  # (``fed`` is this round's history: its drafts were not added)
             self.cache.truncate(len(self.fed) - self.base + n_next - 1)
             self._at, self._round, self._fed_ahead = len(self.fed), n_next, n_valid > 0
