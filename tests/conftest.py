@@ -39,5 +39,13 @@ def qwen05_path():
 
 
 @pytest.fixture(scope="session")
+def qwen05_reader(qwen05_path):
+    """The real 0.5B's open GGUF, shared: parsing its metadata (the 151K-token vocabulary) takes
+    ~20 s on a 2-core machine, once per test that opens it otherwise."""
+    from kvstream.model.loader import open_gguf
+    return open_gguf(qwen05_path)
+
+
+@pytest.fixture(scope="session")
 def qwen15_path():
     return real_model_path("qwen2.5-coder-1.5b")

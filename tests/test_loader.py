@@ -25,8 +25,8 @@ def test_config_from_metadata(tmp_path):
     assert cfg.vocab_size == 357 and cfg.rms_eps == pytest.approx(1e-6)
 
 
-def test_real_qwen05_config(qwen05_path):
-    cfg = read_config(open_gguf(qwen05_path))
+def test_real_qwen05_config(qwen05_reader):
+    cfg = read_config(qwen05_reader)
     assert (cfg.arch, cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == \
            ("qwen2", 24, 896, 14, 2, 64)
 

@@ -70,13 +70,13 @@ def test_cache_overflow_is_a_clear_error(pair):
 
 
 @pytest.mark.real_model
-def test_real_qwen05_greedy_64_matches_transformers(qwen05_path):
-    ours = load_model(qwen05_path, torch.float32, "cpu")
+def test_real_qwen05_greedy_64_matches_transformers(qwen05_path, qwen05_reader):
+    ours = load_model(qwen05_reader, torch.float32, "cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         qwen05_path.parent, gguf_file=qwen05_path.name, dtype=torch.float32).eval()
     from kvstream.model.tokenizer import Tokenizer
 
-    prompt = Tokenizer.from_gguf(qwen05_path).encode("def quicksort(a):\n    \"\"\"Sort a list of numbers.\"\"\"\n")
+    prompt = Tokenizer.from_gguf(qwen05_reader).encode("def quicksort(a):\n    \"\"\"Sort a list of numbers.\"\"\"\n")
     mine = generate(ours, ours.new_cache(len(prompt) + 64), prompt, 64, Sampler(SamplingParams(temperature=0)),
                     keep_logits=True)
     with torch.inference_mode():

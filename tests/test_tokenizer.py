@@ -95,8 +95,8 @@ def tiny(tiny_path):
 
 
 @pytest.fixture(scope="module")
-def real(qwen05_path):
-    return Tokenizer.from_gguf(qwen05_path), _hf(qwen05_path)
+def real(qwen05_path, qwen05_reader):
+    return Tokenizer.from_gguf(qwen05_reader), _hf(qwen05_path)
 
 
 @pytest.fixture(params=["tiny", pytest.param("real", marks=pytest.mark.real_model)])
