@@ -73,9 +73,9 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
     contexts = sorted(runs["context"].unique())
     top = ax.secondary_xaxis("top", functions=(lambda x: x / PAGE, lambda p: p * PAGE))
     top.set_xlabel("pages per layer")
-    for axis, scale in ((ax.xaxis, 1), (top.xaxis, PAGE)):  # ticks at the measured contexts, not powers of two
-        axis.set_major_locator(FixedLocator([c / scale for c in contexts]))
-        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.4g}"))
+    for axis, scale, fmt in ((ax.xaxis, 1, ".0f"), (top.xaxis, PAGE, ".4g")):  # ticks at the measured contexts
+        axis.set_major_locator(FixedLocator([c / scale for c in contexts]))  # (not powers of two), in full
+        axis.set_major_formatter(FuncFormatter(lambda v, _, fmt=fmt: f"{v:{fmt}}"))
         axis.set_minor_locator(NullLocator())
     high = 1.15 * runs["decode_tok_s"].max()  # a few reps give wide intervals: the axes follow the measurements
     ax.set_ylim(0, high)
