@@ -370,9 +370,12 @@ def main(argv=None) -> None:
     ap.add_argument("--n-boot", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    runs, steps = read_study(args.study)
-    table, best = decode_table(runs), best_threshold(runs)
-    result = _jsonable(analyze(runs, steps, args.keep, args.eject, args.n_boot, args.seed))
+    try:
+        runs, steps = read_study(args.study)
+        table, best = decode_table(runs), best_threshold(runs)
+        result = _jsonable(analyze(runs, steps, args.keep, args.eject, args.n_boot, args.seed))
+    except (FileNotFoundError, ValueError) as e:  # no study there, too few contexts, missing arms or columns
+        raise SystemExit(f"crossover: {e}") from None
     table.to_csv(args.study / "decode_table.csv", index=False)
     best.to_csv(args.study / "best_threshold.csv", index=False)
     (args.study / "crossover.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Draft-threshold curves: decode tok/s vs context per arm, with the onset and the keep/eject crossover.
 
-    python -m experiments.plot_draft_thresholds results/<study> [--keep keep] [--eject onset]
+    python -m experiments.plot_draft_thresholds results/<study> [--with results/<other>] [--keep keep] [--eject onset]
 
 Reads the study's ``runs.csv`` (and ``steps.csv`` for the predicted crossover) and writes
 ``draft_thresholds.png`` beside them: one line per arm (mean over its n reps, n in the legend; error
@@ -9,12 +9,16 @@ line at the streaming onset (``crossover.eject_threshold``), a dotted one at the
 a dash-dotted one at the cost model's prediction for the study's decode length and a grey one at
 its prediction for long decodes (see experiments/crossover.py), and the cost model's tok/s of the
 keep and eject arms over the measured range as thin lines in their arms' colours (how well the
-model fitted to the steps follows the decodes the arms measured).
+model fitted to the steps follows the decodes the arms measured). ``--with`` draws other studies' runs
+(and fits on their steps) beside the study's, as one study: a blind test beside the study whose
+prediction it tests. Where the study holds a ``blind_test.json`` (experiments/blind_test.py), its
+prediction is drawn too, in red.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import textwrap
 from pathlib import Path
 
@@ -23,6 +27,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 
@@ -31,9 +36,13 @@ from experiments.cost_model import CostModel  # noqa: E402
 from experiments.crossover import PAGE, analyze, arm_order, decode_table, eject_threshold, predict, read_study  # noqa: E402
 
 
-def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
+def plot(study_dir, keep: str = "keep", eject: str = "onset", others=()) -> Path:
     study = Path(study_dir)
     runs, steps = read_study(study)
+    for other in others:
+        r, s = read_study(Path(other))
+        runs = pd.concat([r, runs], ignore_index=True)
+        steps = None if steps is None or s is None else pd.concat([s, steps], ignore_index=True)
     table = decode_table(runs)
     fig, ax = plt.subplots(figsize=(9, 5.5))
     colors, bars = {}, []
@@ -69,6 +78,11 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
         x = (result.get(side) or {}).get("context_tokens")
         if x is not None and x <= 1.5 * runs["context"].max():  # one far out would squash the curves
             ax.axvline(x, color=color, ls=ls, label=f"{name} crossover {x:.0f} tokens ({x / PAGE:.1f} pages)")
+    if (study / "blind_test.json").is_file():
+        blind = json.loads((study / "blind_test.json").read_text())
+        x = blind["predicted"]["context_tokens"]
+        ax.axvline(x, color="tab:red", ls="-.", label=f"blind prediction {x:.0f} tokens "
+                   f"({Path(blind['predicting']).name}, before this study ran)")
     ax.set_xscale("log", base=2)
     contexts = sorted(runs["context"].unique())
     top = ax.secondary_xaxis("top", functions=(lambda x: x / PAGE, lambda p: p * PAGE))
@@ -96,10 +110,12 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset") -> Path:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("study", type=Path, help="results/<study> holding runs.csv (and steps.csv)")
+    ap.add_argument("--with", dest="others", type=Path, action="append", default=[],
+                    help="another study to draw beside it (repeatable)")
     ap.add_argument("--keep", default="keep")
     ap.add_argument("--eject", default="onset")
     args = ap.parse_args(argv)
-    print(f"wrote {plot(args.study, args.keep, args.eject)}")
+    print(f"wrote {plot(args.study, args.keep, args.eject, args.others)}")
 
 
 if __name__ == "__main__":

@@ -417,6 +417,15 @@ def test_cli_writes_tables_and_json(tmp_path, capsys):
     assert "measured:" in capsys.readouterr().out
 
 
+def test_cli_bad_input_is_one_line(tmp_path):
+    runs = make_runs(reps=1)
+    write_study(tmp_path, runs[runs["context"] == 8 * PAGE])  # one context: no crossover to locate
+    with pytest.raises(SystemExit, match=r"^crossover: arms 'keep' and 'onset' share 1 context\(s\)"):
+        main([str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"^crossover: no runs\.csv in"):
+        main([str(tmp_path / "missing")])
+
+
 def test_a_study_without_steps_csv_reads_its_per_cell_files(tmp_path):
     """A study may keep only the per-cell steps/<run_id>.csv the sweep writes (a large study's
     one steps.csv would be a big file): read_study gathers them."""
