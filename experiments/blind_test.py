@@ -2,15 +2,17 @@
 
     python -m experiments.blind_test results/<predicting study> results/<test study>
 
-The prediction is the predicting study's ``crossover.json`` (``predicted.context_tokens``: the cost
-model fitted on that study's steps alone). The measured crossover comes from both studies' runs
-together (``crossover.crossover``: linear between the bracketing contexts, bootstrap over reps),
-since the test's contexts may lie past the crossover on one side only. It is blind where the test's
-rows ran a commit whose tree already held that prediction (checked with git when the commit is
-known here). Writes ``blind_test.json`` in the test study's folder: prediction, measurement,
-relative error against ``crossover.PREDICTION_GOAL`` (and at the measurement's interval points), the predicting study's cost model's tok/s for
-both arms at the test's contexts beside the measured means (where a miss comes from), the config keys the two studies' rows differ
-in besides context and rep, and the blindness check.
+The prediction is the one the predicting study's ``crossover.json`` held in the tree of the commit
+the test's rows ran (git): blind, since it was committed before they ran. Where git cannot say, the
+folder's present crossover.json stands in, marked not blind; a later refit's prediction (the
+folder's crossover.json now, where it differs) is reported beside as what it is: post hoc. The
+measured crossover comes from both studies' runs together (``crossover.crossover``: linear between
+the bracketing contexts, bootstrap over reps), since the test's contexts may lie on one side of it.
+Writes ``blind_test.json`` in the test study's folder: prediction, measurement, relative error against
+``crossover.PREDICTION_GOAL`` (and at the measurement's interval points), the present cost model
+fitted on the predicting study's steps: its tok/s for both arms at the test's contexts beside the
+measured means (where a miss comes from), and the config keys the two studies' rows differ in
+besides context, rep and arm.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.cost_model import fit_cost_model
-from experiments.crossover import PREDICTION_GOAL, _jsonable, crossover, decode_table, describe, predict, read_study
+from experiments.crossover import (PAGE, PREDICTION_GOAL, _jsonable, crossover, decode_table, describe, predict,
+                                   read_study)
 
 PER_CELL = {"context", "rep", "arm", "study"}  # config keys a study varies by design (arm: its policy)
 
@@ -57,27 +60,31 @@ def config_differences(a: pd.DataFrame, b: pd.DataFrame) -> dict:
             if va.get(k) != vb.get(k)}
 
 
-def committed_before(predicting: Path, commits) -> dict:
-    """Whether every commit the test's rows ran holds the predicting study's crossover.json with the
-    same predicted context (git, in this checkout); "unknown" where git or a commit is missing."""
-    path = (predicting / "crossover.json").as_posix()
-    want = json.loads((predicting / "crossover.json").read_text())["predicted"]["context_tokens"]
-    out = {}
-    for c in sorted(set(commits)):
-        try:
-            known = subprocess.run(["git", "cat-file", "-e", f"{c}^{{commit}}"], capture_output=True, timeout=30)
-            r = subprocess.run(["git", "show", f"{c}:{path}"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            out[c] = "unknown (no git)"
-            continue
-        if known.returncode != 0:
-            out[c] = "unknown (the commit is not in this checkout)"
-        elif r.returncode != 0:
-            out[c] = "no: not in its tree"
-        else:
-            got = json.loads(r.stdout)["predicted"]["context_tokens"]
-            out[c] = "yes" if got == want else f"no: its tree predicted {got}"
-    return out
+def prediction_in_tree(predicting: Path, commit: str):
+    """The crossover (tokens) that ``predicting``'s crossover.json predicted in ``commit``'s tree, or a
+    string saying why there is none: "not in its tree", or "unknown ..." where git or the commit is
+    missing here."""
+    try:
+        known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True, timeout=30)
+        r = subprocess.run(["git", "show", f"{commit}:{(predicting / 'crossover.json').as_posix()}"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    if known.returncode != 0:
+        return "unknown (the commit is not in this checkout)"
+    if r.returncode != 0:
+        return "not in its tree"
+    return json.loads(r.stdout)["predicted"]["context_tokens"]
+
+
+def blind_prediction(predicting: Path, commits) -> tuple[float | None, dict]:
+    """The prediction every commit the test's rows ran held (None where they held none, or not one
+    value), and per commit what its tree held."""
+    held = {c: prediction_in_tree(predicting, c) for c in sorted(set(commits))}
+    values = {v for v in held.values() if not isinstance(v, str)}
+    blind = values.pop() if len(values) == 1 and len(held) == sum(not isinstance(v, str) for v in held.values()) \
+        else None
+    return blind, held
 
 
 def arms_at_test(a: pd.DataFrame, steps_a: pd.DataFrame, b: pd.DataFrame, keep: str, eject: str) -> pd.DataFrame:
@@ -96,23 +103,32 @@ def arms_at_test(a: pd.DataFrame, steps_a: pd.DataFrame, b: pd.DataFrame, keep: 
 
 def blind_test(predicting: Path, test: Path, keep: str = "keep", eject: str = "onset", n_boot: int = 1000,
                seed: int = 0) -> dict:
-    prediction = json.loads((predicting / "crossover.json").read_text())["predicted"]
-    p = prediction.get("context_tokens")
-    if p is None:
-        raise ValueError(f"{predicting}/crossover.json predicts no crossover ({prediction.get('reason')})")
     (a, steps_a), (b, _) = read_study(predicting), read_study(test)
     if steps_a is None:
         raise ValueError(f"{predicting} has no steps: its cost model cannot be refitted")
+    commits = b["git_commit"].dropna().astype(str) if "git_commit" in b else []
+    blind, held = blind_prediction(predicting, commits)
+    current = json.loads((predicting / "crossover.json").read_text())["predicted"].get("context_tokens")
+    if blind is None and current is None:
+        raise ValueError(f"{predicting}/crossover.json predicts no crossover, and the test's commits held none: {held}")
     measured = crossover(pd.concat([a, b], ignore_index=True), keep, eject, n_boot, seed)
     m = measured["context_tokens"]
-    error = None if m is None else abs(p - m) / m
-    ci = [None if x is None else abs(p - x) / x for x in measured.get("ci_tokens") or []]
-    commits = b["git_commit"].dropna().astype(str) if "git_commit" in b else []
-    return dict(predicting=str(predicting), test=str(test), predicted=prediction, measured=measured,
-                relative_error=error, relative_error_at_ci=ci, goal=f"relative error <= {PREDICTION_GOAL}",
+
+    def errors(p):  # relative error at the measurement and at its interval's points
+        return (None if m is None or p is None else abs(p - m) / m,
+                [None if x is None or p is None else abs(p - x) / x for x in measured.get("ci_tokens") or []])
+    p = blind if blind is not None else current
+    error, at_ci = errors(p)
+    post_hoc = errors(current)[0]
+    return dict(predicting=str(predicting), test=str(test), measured=measured,
+                predicted=dict(context_tokens=p, pages_per_layer=None if p is None else p / PAGE,
+                               blind=blind is not None, held_by_the_tests_commits=held),
+                relative_error=error, relative_error_at_ci=at_ci, goal=f"relative error <= {PREDICTION_GOAL}",
                 within_goal=None if error is None else error <= PREDICTION_GOAL,
+                current_prediction=dict(context_tokens=current, relative_error=post_hoc,
+                                        note="the predicting folder's crossover.json now (a later refit: not blind)"),
                 arms_at_test_contexts=arms_at_test(a, steps_a, b, keep, eject).to_dict("records"),
-                config_differences=config_differences(a, b), prediction_in_tree=committed_before(predicting, commits))
+                config_differences=config_differences(a, b))
 
 
 def main(argv=None) -> None:
@@ -129,17 +145,22 @@ def main(argv=None) -> None:
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise SystemExit(f"blind_test: {e}") from None
     (args.test / "blind_test.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"predicted ({args.predicting}): {describe(result['predicted'])}")
+    p = result["predicted"]
+    print(f"predicted ({args.predicting}, {'blind: held by the test commits' if p['blind'] else 'NOT blind'}"
+          f" {p['held_by_the_tests_commits']}): {describe(p)}")
     print(f"measured ({args.predicting} + {args.test}): {describe(result['measured'])}")
     if result["relative_error"] is not None:
         print(f"relative error {result['relative_error']:.1%} (goal <= {PREDICTION_GOAL:.0%}): "
               f"{'within' if result['within_goal'] else 'outside'} the goal; at the measurement's 5/50/95% points: "
               + " / ".join("-" if e is None else f"{e:.1%}" for e in result["relative_error_at_ci"]))
+    now = result["current_prediction"]
+    if now["context_tokens"] != p["context_tokens"] and now["relative_error"] is not None:
+        print(f"the folder's prediction now: {now['context_tokens']:.0f} tokens, {now['relative_error']:.1%} off "
+              f"(a later refit: not blind)")
     arms = pd.DataFrame(result["arms_at_test_contexts"])
     print(f"tok/s at the test's contexts, predicted by {args.predicting}'s cost model and measured\n"
           f"{arms.to_string(index=False, float_format='%.3f')}")
     print(f"config differences besides context / rep / arm: {result['config_differences']}")
-    print(f"prediction in the test's tree: {result['prediction_in_tree']}")
     print(f"wrote {args.test / 'blind_test.json'}")
 
 

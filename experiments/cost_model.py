@@ -27,9 +27,14 @@ def require(df: pd.DataFrame, columns, what: str) -> None:
 @dataclass(frozen=True)
 class CostModel:
     """Target verify seconds = max(a + b*streamed_pages + c*(verify_width - 1) + d*pages_per_layer,
-    e + f*streamed_pages): a compute line, and a copy line for steps whose streamed pages take longer to
-    copy than the layers' compute they overlap (f: seconds per streamed page per layer, all layers;
-    e = f = 0 when no step was copy-bound or the study has under 10 design points). A round with the
+    e + f*streamed_pages, copy_floor*streamed_pages): a compute line, and a copy line for steps whose
+    streamed pages take longer to copy than the layers' compute they overlap (f: seconds per streamed
+    page per layer, all layers; e = f = 0 when no step was copy-bound or the study has under 10 design
+    points). ``copy_floor``: the fewest seconds per streamed page of the design points the copy line
+    binds, a floor below which the copy line may not extrapolate (a copy's rate climbs with its size
+    towards the link's, so the line fitted over the climb is flatter than the copy-bound steps beyond:
+    on the H100 final6's line gave 52.6 us a page, the steps past its grid took 66-67 us); no measured
+    point lies below it. A round with the
     draft active drafts ``drafted_per_round`` tokens on average (rounds where it proposes nothing
     included) in ``draft_s_per_round`` seconds and keeps ``tokens_per_round`` (1 + the mean accepted
     drafts), all as measured over the study; with several prompt lengths, per prompt length too
@@ -64,6 +69,7 @@ class CostModel:
     page_rounds: tuple = ()
     page_s_rounds: tuple = ()
     ring_round_pages: float = math.inf
+    copy_floor: float = 0.0  # seconds per streamed page no copy-bound step beats (0: no copy line)
 
     def page_seconds(self, streamed_pages):
         """The per-page cost of a state streaming ``streamed_pages`` pages per layer (0: none)."""
@@ -83,7 +89,7 @@ class CostModel:
 
     def target_s(self, pages, streamed_pages, width):
         compute = self.a + self.b * streamed_pages + self.c * (width - 1) + self.d * pages
-        return _bound(compute, self.e, self.f, np.asarray(streamed_pages, float))
+        return _bound(compute, self.e, self.f, np.asarray(streamed_pages, float), self.copy_floor)
 
     def tok_s(self, pages, streamed_pages, draft: bool):
         """Predicted decode tokens/s with or without the draft (numpy arrays broadcast)."""
@@ -207,12 +213,13 @@ def after_transition(steps: pd.DataFrame, n: int = 2) -> pd.Series:
     return (stint > 0) & ((first < n) | new_width)
 
 
-def _bound(compute, e: float, f: float, streamed):
-    """The step time: the compute line, or the copy line where that is longer and pages stream
-    (with nothing streamed there is no copy; f = 0: no copy line)."""
+def _bound(compute, e: float, f: float, streamed, floor: float = 0.0):
+    """The step time: the compute line, or the copy line (not below ``floor`` seconds per streamed
+    page) where that is longer and pages stream (with nothing streamed there is no copy; f = 0: no
+    copy line)."""
     if f <= 0:
         return compute
-    return np.where(streamed > 0, np.maximum(compute, e + f * streamed), compute)
+    return np.where(streamed > 0, np.maximum(compute, np.maximum(e + f * streamed, floor * streamed)), compute)
 
 
 def _wlstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray):
@@ -225,7 +232,8 @@ def _fit_lines(g: pd.DataFrame, n_steps: int, s: pd.DataFrame):
     split point counted as a parameter), the compute line below a streamed-pages split and a copy line
     above it, the two combined by max (streaming overlaps the compute until the copy takes longer:
     on the H200 a verify step's time rose 13-29 us per streamed page up to ~44, then 61 us, the pinned
-    copy rate). Returns the compute coefficients, (e, f) and the model's medians."""
+    copy rate). Returns the compute coefficients, (e, f), the copy floor (the fewest seconds per
+    streamed page among the medians the copy line binds; 0 without one) and the model's medians."""
     y, w = g["median"].to_numpy(), np.sqrt(g["size"].to_numpy(float))
     streamed = g["streamed_pages"].to_numpy(float)
     X = np.column_stack([np.ones(len(g)), streamed, g["verify_width"] - 1, g["pages_per_layer"]])
@@ -266,7 +274,11 @@ def _fit_lines(g: pd.DataFrame, n_steps: int, s: pd.DataFrame):
         if fit is not None:
             pred = _bound(X @ fit[0], *fit[1], streamed)
             best = min(best, (bic(pred, 7), fit[0], fit[1], pred), key=lambda c: c[0])
-    return best[1], best[2], best[3]
+    _, coef, (e, f), pred = best
+    binds = (e + f * streamed > X @ coef) & (streamed > 0) if f > 0 else np.zeros(n, bool)
+    floor = float(np.min(y[binds] / streamed[binds])) if binds.any() else 0.0
+    # the floor lies under every median (the fewest seconds a page of them), so it only lifts the fit towards them
+    return coef, (e, f), floor, _bound(X @ coef, e, f, streamed, floor)
 
 
 def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> CostModel:
@@ -284,7 +296,7 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
     s = s.assign(target_s=target_seconds(s))
     g = s.groupby(["streamed_pages", "verify_width", "pages_per_layer"])["target_s"].agg(["median", "size"])
     g = g.reset_index()
-    coef, copy_line, pred = _fit_lines(g, len(s), s)
+    coef, copy_line, floor, pred = _fit_lines(g, len(s), s)
     rounds = s[s["draft_active"].astype(bool) & ~in_place(s)]  # the steady rounds with the draft drafting
     if not (rounds["drafted"] > 0).any():
         raise ValueError(f"steps.csv ({len(s)} complete steps) has no round that drafted a token: "
@@ -305,7 +317,7 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
                      tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
                      rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
                      eject_s=eject_cost(steps) + (0.0 if runs is None else eject_seconds(runs)),
-                     e=copy_line[0], f=copy_line[1], page_s=page_cost(steps, paying), **per, **per_rounds)
+                     e=copy_line[0], f=copy_line[1], copy_floor=floor, page_s=page_cost(steps, paying), **per, **per_rounds)
 
 
 def round_pages(runs: pd.DataFrame | None) -> int | None:

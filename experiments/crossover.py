@@ -362,6 +362,29 @@ def describe(side: dict) -> str:
     return s
 
 
+def write(study: Path, keep: str = "keep", eject: str = "onset", n_boot: int = 1000, seed: int = 0) -> dict:
+    """The study's tables and crossover.json, written beside its runs.csv and printed; raises
+    FileNotFoundError / ValueError on a folder that cannot give them."""
+    study = Path(study)
+    runs, steps = read_study(study)
+    table, best = decode_table(runs), best_threshold(runs)
+    result = _jsonable(analyze(runs, steps, keep, eject, n_boot, seed))
+    table.to_csv(study / "decode_table.csv", index=False)
+    best.to_csv(study / "best_threshold.csv", index=False)
+    (study / "crossover.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"decode tok/s per arm and context ({study})\n{table.to_string(index=False, float_format='%.2f')}\n")
+    if mixed(table):
+        print(mixed(table))
+    print(f"best fixed threshold per context\n{best.to_string(index=False, float_format='%.3f')}\n")
+    print(f"crossover {keep} -> {eject}")
+    print(f"  measured:  {describe(result['measured'])}")
+    print(f"  predicted: {describe(result['predicted'])}")
+    if result["relative_error"] is not None:
+        print(f"  relative error {result['relative_error']:.1%} (goal <= {PREDICTION_GOAL:.0%})")
+    print(f"wrote decode_table.csv, best_threshold.csv, crossover.json in {study}")
+    return result
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("study", type=Path, help="results/<study> holding runs.csv and steps.csv")
@@ -371,24 +394,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
-        runs, steps = read_study(args.study)
-        table, best = decode_table(runs), best_threshold(runs)
-        result = _jsonable(analyze(runs, steps, args.keep, args.eject, args.n_boot, args.seed))
+        write(args.study, args.keep, args.eject, args.n_boot, args.seed)
     except (FileNotFoundError, ValueError) as e:  # no study there, too few contexts, missing arms or columns
         raise SystemExit(f"crossover: {e}") from None
-    table.to_csv(args.study / "decode_table.csv", index=False)
-    best.to_csv(args.study / "best_threshold.csv", index=False)
-    (args.study / "crossover.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"decode tok/s per arm and context ({args.study})\n{table.to_string(index=False, float_format='%.2f')}\n")
-    if mixed(table):
-        print(mixed(table))
-    print(f"best fixed threshold per context\n{best.to_string(index=False, float_format='%.3f')}\n")
-    print(f"crossover {args.keep} -> {args.eject}")
-    print(f"  measured:  {describe(result['measured'])}")
-    print(f"  predicted: {describe(result['predicted'])}")
-    if result["relative_error"] is not None:
-        print(f"  relative error {result['relative_error']:.1%} (goal <= {PREDICTION_GOAL:.0%})")
-    print(f"wrote decode_table.csv, best_threshold.csv, crossover.json in {args.study}")
 
 
 if __name__ == "__main__":

@@ -280,7 +280,7 @@ def analyze(study: Path) -> None:
     if files:  # else a steps.csv gathered elsewhere (the per-cell files were not kept)
         pd.concat([pd.read_csv(f, dtype={"run_id": str}) for f in files]).to_csv(study / "steps.csv", index=False)
     try:
-        crossover.main([str(study)])
+        crossover.write(study)
         print("figure:", plot_draft_thresholds.plot(study))
     except ValueError as e:  # e.g. a sweep without both a keep and an eject arm
         print(f"analysis of {study} incomplete: {e}")

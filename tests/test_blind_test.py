@@ -75,10 +75,11 @@ def test_config_differences_leave_out_what_varies_per_cell(ab):
     assert blind_test.blind_test(a, b)["config_differences"] == {"prefill_chunk": [["512"], ["256"]]}
 
 
-def test_a_prediction_is_blind_only_where_the_tests_commit_held_it(tmp_path, monkeypatch):
-    """Run in a throwaway git repository: the test's rows name the commit that held the prediction
-    (yes), an earlier one without it and a later one where it changed (no), and one git does not
-    know (unknown)."""
+def test_the_prediction_is_the_one_the_tests_commit_held(tmp_path, monkeypatch):
+    """In a throwaway git repository: a commit before the prediction, the one that holds it, a later
+    one where it changed, and one git does not know. The test's rows ran the holding commit; the
+    folder's crossover.json is since refitted: the blind prediction is still the held one, the refit
+    is reported beside."""
     monkeypatch.chdir(tmp_path)
     git = lambda *args: subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout.strip()
     git("init", "-q")
@@ -91,17 +92,27 @@ def test_a_prediction_is_blind_only_where_the_tests_commit_held_it(tmp_path, mon
     git("add", "a"), git("commit", "-qm", "prediction")
     held = git("rev-parse", "HEAD")
     out = json.loads((a / "crossover.json").read_text())
-    out["predicted"]["context_tokens"] += 1000
+    p = out["predicted"]["context_tokens"]
+    out["predicted"]["context_tokens"] = p + 1000
     (a / "crossover.json").write_text(json.dumps(out))
-    git("commit", "-qam", "a changed prediction")
-    changed = git("rev-parse", "HEAD")
-    out["predicted"]["context_tokens"] -= 1000  # the folder's own prediction is the first one again
-    (a / "crossover.json").write_text(json.dumps(out))
-    got = blind_test.committed_before(a, [before, held, changed, "0" * 40])
-    assert got[before] == "no: not in its tree"
-    assert got[held] == "yes"
-    assert got[changed].startswith("no: its tree predicted")
-    assert got["0" * 40].startswith("unknown")
+    git("commit", "-qam", "a refit")
+    changed, unknown = git("rev-parse", "HEAD"), "0" * 40
+    assert blind_test.prediction_in_tree(a, before) == "not in its tree"
+    assert blind_test.prediction_in_tree(a, held) == p
+    assert blind_test.prediction_in_tree(a, changed) == p + 1000
+    assert blind_test.prediction_in_tree(a, unknown).startswith("unknown")
+    assert blind_test.blind_prediction(a, [held, held])[0] == p
+    for commits in ([held, changed], [held, unknown], [before]):  # not one prediction every commit held
+        assert blind_test.blind_prediction(a, commits)[0] is None
+    runs = pd.read_csv(b / "runs.csv")
+    runs.assign(git_commit=held).to_csv(b / "runs.csv", index=False)
+    r = blind_test.blind_test(a, b)
+    assert r["predicted"]["context_tokens"] == p and r["predicted"]["blind"]
+    assert r["current_prediction"]["context_tokens"] == p + 1000
+    assert r["current_prediction"]["relative_error"] == pytest.approx(abs(p + 1000 - SPLIT) / SPLIT)
+    runs.assign(git_commit=unknown).to_csv(b / "runs.csv", index=False)
+    r = blind_test.blind_test(a, b)  # nothing to check it against: the folder's own, not blind
+    assert r["predicted"]["context_tokens"] == p + 1000 and not r["predicted"]["blind"]
 
 
 def test_cli_writes_its_json_and_bad_input_is_one_line(ab, capsys, tmp_path):
@@ -109,8 +120,11 @@ def test_cli_writes_its_json_and_bad_input_is_one_line(ab, capsys, tmp_path):
     blind_test.main([str(a), str(b)])
     assert json.loads((b / "blind_test.json").read_text())["measured"]["context_tokens"] == pytest.approx(SPLIT)
     assert "relative error" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"^blind_test: .* has no steps"):
+        blind_test.main([str(b), str(a)])  # b has no steps to fit a model on
+    (a / "crossover.json").unlink()
     with pytest.raises(SystemExit, match=r"^blind_test: .*crossover\.json"):
-        blind_test.main([str(b), str(a)])  # b holds no prediction
+        blind_test.main([str(a), str(b)])
     with pytest.raises(SystemExit, match=r"^blind_test: no runs\.csv in"):
         blind_test.main([str(a), str(tmp_path / "missing")])
 

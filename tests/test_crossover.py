@@ -206,6 +206,24 @@ def test_copy_bound_steps_get_their_own_line():
     assert replace(TRUE, e=1.0, f=0.001).target_s(5, 0, 1) == pytest.approx(TRUE.target_s(5, 0, 1))
 
 
+def test_the_copy_line_does_not_extrapolate_below_its_fastest_page():
+    # the copy line over its measured range, and beyond it the fewest seconds a page any copy-bound design
+    # point took (the largest streamed count's, e/s + f with e > 0): a copy's rate does not keep climbing
+    # past the fastest one measured
+    truth = replace(TRUE, e=0.010, f=0.006)
+    steps = make_steps(truth)
+    m = fit_cost_model(steps)
+    top = steps["streamed_pages"].max()
+    assert m.copy_floor == pytest.approx(truth.e / top + truth.f, rel=1e-6)
+    assert m.rms_residual_s < 1e-9  # within the range the floor lies under every median: the fit is exact
+    p = 60  # the most pages per layer measured
+    assert m.target_s(p, top, 1) == pytest.approx(truth.target_s(p, top, 1), rel=1e-6)
+    far = 3 * top
+    assert m.target_s(p, far, 1) == pytest.approx(m.copy_floor * far, rel=1e-9)
+    assert m.target_s(p, far, 1) > truth.target_s(p, far, 1)  # by e * (far / top - 1): the floor's pessimism
+    assert fit_cost_model(make_steps()).copy_floor == 0.0  # no copy line, no floor
+
+
 def test_few_design_points_keep_one_line():
     # 9 design points (6 compute-bound, 3 copy-bound): a 7-parameter max of two lines fits them
     # exactly, as it would fit noise; below 10 points the fit keeps one line by design
