@@ -25,8 +25,8 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.cost_model import fit_cost_model
-from experiments.crossover import (PAGE, PREDICTION_GOAL, _jsonable, crossover, decode_table, describe, predict,
-                                   read_study)
+from experiments.crossover import (PAGE, PREDICTION_GOAL, _jsonable, add_arm_args, crossover, decode_table, describe,
+                                   predict, read_study)
 
 PER_CELL = {"context", "rep", "arm", "study"}  # config keys a study varies by design (arm: its policy)
 
@@ -135,10 +135,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("predicting", type=Path, help="results/<study> whose crossover.json holds the prediction")
     ap.add_argument("test", type=Path, help="results/<study> run after it (runs.csv)")
-    ap.add_argument("--keep", default="keep")
-    ap.add_argument("--eject", default="onset")
-    ap.add_argument("--n-boot", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0)
+    add_arm_args(ap)
     args = ap.parse_args(argv)
     try:
         result = _jsonable(blind_test(args.predicting, args.test, args.keep, args.eject, args.n_boot, args.seed))

@@ -317,7 +317,8 @@ def fit_cost_model(steps: pd.DataFrame, runs: pd.DataFrame | None = None) -> Cos
                      tokens_per_round=1 + float(rounds["accepted"].mean()), n_steps=len(s),
                      rms_residual_s=float(np.sqrt(np.average(resid ** 2, weights=g["size"]))),
                      eject_s=eject_cost(steps) + (0.0 if runs is None else eject_seconds(runs)),
-                     e=copy_line[0], f=copy_line[1], copy_floor=floor, page_s=page_cost(steps, paying), **per, **per_rounds)
+                     e=copy_line[0], f=copy_line[1], copy_floor=floor, page_s=page_cost(steps, paying),
+                     **per, **per_rounds)
 
 
 def round_pages(runs: pd.DataFrame | None) -> int | None:

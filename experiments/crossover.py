@@ -385,13 +385,18 @@ def write(study: Path, keep: str = "keep", eject: str = "onset", n_boot: int = 1
     return result
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("study", type=Path, help="results/<study> holding runs.csv and steps.csv")
+def add_arm_args(ap: argparse.ArgumentParser) -> None:
+    """The arms compared and the bootstrap's draws and seed, as the analyses' command lines take them."""
     ap.add_argument("--keep", default="keep")
     ap.add_argument("--eject", default="onset")
     ap.add_argument("--n-boot", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("study", type=Path, help="results/<study> holding runs.csv and steps.csv")
+    add_arm_args(ap)
     args = ap.parse_args(argv)
     try:
         write(args.study, args.keep, args.eject, args.n_boot, args.seed)
