@@ -1,6 +1,6 @@
 """What if the arena were another size? The keep/eject crossover a study's cost model predicts there.
 
-    python -m experiments.what_if results/<study> --arena-mib 1350 1420
+    python -m experiments.what_if results/<study> --arena-mib 1350 1420 [--out results/<study>]
 
 From one draft-threshold study (``runs.csv`` and ``steps.csv`` of experiments/draft_threshold.py),
 no new runs: the step-cost model fitted to its steps (experiments/cost_model.py) does not depend
@@ -12,6 +12,8 @@ slabs that do not change with the arena (they depend on the context, as the stud
 Only decode layouts are checked (runs.csv records their capacities): a smaller arena may not
 hold the prefill phase beside the draft (its slab + ring + one chunk's pages); the run then
 stops at once with the numbers, and a smaller ``prefill_chunk`` (decode unchanged) lets it run.
+``--out``: each arena's prediction also as ``what_if_<mib>.json`` in that folder: committed before the
+arena's study runs, it is what ``experiments/blind_test.py --prediction`` checks the study against.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from experiments.cost_model import PAGE, fit_cost_model
-from experiments.crossover import capacity_curve, describe, predict, read_study
+from experiments.crossover import _jsonable, capacity_curve, describe, predict, read_study
 from kvstream.cache.arena import MIB
 
 
@@ -85,6 +87,7 @@ def main(argv=None) -> None:
     ap.add_argument("study", type=Path, help="results/<study> holding runs.csv and steps.csv")
     ap.add_argument("--arena-mib", type=float, nargs="+", required=True)
     ap.add_argument("--eject", default="onset")
+    ap.add_argument("--out", type=Path, help="a folder to write each arena's what_if_<mib>.json in")
     args = ap.parse_args(argv)
     runs, steps = read_study(args.study)
     if steps is None:
@@ -95,6 +98,10 @@ def main(argv=None) -> None:
         print(f"arena {mib:g} MiB: pages per layer beside the draft {r['capacity_with_draft']}")
         print(f"  predicted crossover, {int(runs['new_tokens'].median())}-token decodes: {describe(r['predicted'])}")
         print(f"  predicted crossover, long decodes: {describe(r['predicted_steady'])}")
+        if args.out:
+            out = args.out / f"what_if_{mib:g}.json"
+            out.write_text(json.dumps(_jsonable(dict(study=str(args.study), eject=args.eject) | r), indent=2) + "\n")
+            print(f"  wrote {out}")
     if min(args.arena_mib) < _one(runs, "arena_bytes") / MIB:
         print("note: the prefill phase is not checked (runs.csv records decode capacities only); if a smaller arena "
               "cannot prefill beside the draft, give the run a smaller prefill_chunk (decode is unchanged)")

@@ -97,13 +97,15 @@ def test_the_prediction_is_the_one_the_tests_commit_held(tmp_path, monkeypatch):
     (a / "crossover.json").write_text(json.dumps(out))
     git("commit", "-qam", "a refit")
     changed, unknown = git("rev-parse", "HEAD"), "0" * 40
-    assert blind_test.prediction_in_tree(a, before) == "not in its tree"
-    assert blind_test.prediction_in_tree(a, held) == p
-    assert blind_test.prediction_in_tree(a, changed) == p + 1000
-    assert blind_test.prediction_in_tree(a, unknown).startswith("unknown")
-    assert blind_test.blind_prediction(a, [held, held])[0] == p
+    file = a / "crossover.json"
+    assert blind_test.prediction_in_tree(file, before) == "not in its tree"
+    assert blind_test.prediction_in_tree(file, held) == p
+    assert blind_test.prediction_in_tree(tmp_path / file, held) == p  # an absolute path names the same file
+    assert blind_test.prediction_in_tree(file, changed) == p + 1000
+    assert blind_test.prediction_in_tree(file, unknown).startswith("unknown")
+    assert blind_test.blind_prediction(file, [held, held])[0] == p
     for commits in ([held, changed], [held, unknown], [before]):  # not one prediction every commit held
-        assert blind_test.blind_prediction(a, commits)[0] is None
+        assert blind_test.blind_prediction(file, commits)[0] is None
     runs = pd.read_csv(b / "runs.csv")
     runs.assign(git_commit=held).to_csv(b / "runs.csv", index=False)
     r = blind_test.blind_test(a, b)
@@ -157,3 +159,30 @@ def test_step_profile_gives_the_rate_of_the_steady_steps(tmp_path):
     assert step_profile.profile([tmp_path], every=40)["pages_per_layer"].tolist() == [40, 80]
     with pytest.raises(SystemExit, match="^step_profile: .* has no runs of arm 'auto'"):
         step_profile.main([str(tmp_path), "--arm", "auto"])
+
+
+def test_a_what_if_prediction_is_measured_on_the_tests_own_runs(tmp_path):
+    """A prediction for another arena (what_if --out) is checked against the test's runs alone: the
+    predicting study ran another arena, so its cells do not locate that crossover; the model's arms at
+    the test's contexts take what_if's capacities there."""
+    from experiments import what_if
+    from tests.test_what_if import ARENA, MIB, study as what_if_study
+
+    runs, steps = what_if_study()
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = write_study(tmp_path / "a", runs, steps)
+    what_if.main([str(a), "--arena-mib", str(ARENA / MIB + 15), "--out", str(a)])
+    file = a / f"what_if_{ARENA / MIB + 15:g}.json"
+    assert json.loads(file.read_text())["arena_mib"] == ARENA / MIB + 15
+    # the test's keep falls faster (3 tok/s a page): keep - onset = 40 - 3 * pages, 4 at 12 pages and -14 at 18
+    b = write_study(tmp_path / "b", make_runs(arms=("keep", "onset"), keep_slope=3.0))
+    r = blind_test.blind_test(a, b, prediction=file)
+    assert r["measured"]["context_tokens"] == pytest.approx((12 + 4 / 18 * 6) * PAGE)
+    assert r["predicted"]["context_tokens"] == json.loads(file.read_text())["predicted"]["context_tokens"]
+    assert not r["predicted"]["blind"]  # the rows' commit ("abc") is not one git knows here
+    there = pd.DataFrame(r["arms_at_test_contexts"]).set_index("context")
+    here = blind_test.arms_at_test(runs, steps, pd.read_csv(b / "runs.csv"), "keep", "onset").set_index("context")
+    small = there.index <= 8 * PAGE  # nothing streams there in either arena: the same keep
+    assert there.loc[small, "keep_predicted"].tolist() == pytest.approx(here.loc[small, "keep_predicted"].tolist())
+    # 12 pages: 2 stream beside the draft in the study's arena, none in one 5 pages larger
+    assert there.loc[12 * PAGE, "keep_predicted"] > here.loc[12 * PAGE, "keep_predicted"]
