@@ -209,14 +209,15 @@ def pinned_ceiling(device) -> float:
 
 
 def time_graph(calls, reps: int = 20) -> float:
-    """Median microseconds per call: all calls captured in one CUDA graph, replayed."""
-    for c in calls:  # compile, allocate
-        c()
+    """Median microseconds per call: all calls captured in one CUDA graph, replayed. Off CUDA (the
+    interpreter: a smoke run, its times mean nothing) each call runs once."""
     if not CUDA:
         t = time.perf_counter()
         for c in calls:
             c()
         return (time.perf_counter() - t) / len(calls) * 1e6
+    for c in calls:  # compile, allocate
+        c()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -242,9 +243,8 @@ def time_graph(calls, reps: int = 20) -> float:
 
 
 def time_eager(fn) -> float:
-    """Median microseconds of one eager call, L2 flushed before each (do_bench)."""
+    """Median microseconds of one eager call, L2 flushed before each (do_bench); off CUDA one call."""
     if not CUDA:
-        fn()
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e6

@@ -125,9 +125,9 @@ def test_split_k_adds_its_shares_in_order(mode):
     empty), the last to finish adds their fp32 sums in share order: the exact product within the same bound
     (another sum order), the same bits on every call (deterministic), and the counters left at zero (each
     launch twice); with a bias and 3 rows."""
-    K = 7 * 32
-    q, d, w = _weight(37, K, 3)
-    x, b = _x(3, K, torch.float32, 4), torch.randn(37).to(DEVICE)
+    K, N = 7 * 32, 11  # N: a partial last row block at every block_n below
+    q, d, w = _weight(N, K, 3)
+    x, b = _x(3, K, torch.float32, 4), torch.randn(N).to(DEVICE)
     kw = dict(int8=True) if mode == "int8" else dict(xq=reference.q8_rows(x.cpu())) if mode == "xq" else {}
     if "xq" in kw:
         kw["xq"] = tuple(t.to(DEVICE) for t in kw["xq"])
