@@ -51,7 +51,9 @@ def git_state(*paths: str) -> tuple[str, bool]:
     return commit or "unknown", not commit or bool(git("status", "--porcelain", *paths))
 
 
-CODE = ("kvstream", "kernels", "policies", "experiments", "conf", "pyproject.toml")  # what a row's numbers depend on
+# what a row's numbers depend on besides its resolved config; conf/ is not among them: a row's run id is
+# its resolved config's hash, so a conf change that matters changes the id (a comment does not)
+CODE = ("kvstream", "kernels", "policies", "experiments", "pyproject.toml")
 
 
 def same_code(commit: str) -> bool:

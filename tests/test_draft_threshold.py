@@ -4,6 +4,7 @@ the analysis writes its tables and figure; every config in conf/ composes into t
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
@@ -225,6 +226,31 @@ def test_a_spec_study_gets_its_table_and_figure(tiny, tmp_path):
     won_ms = 1e3 * won["step_s"].median()  # the draft's rounds in the chain: their median wall time
     assert d["round_ms"] == pytest.approx(won_ms, rel=1e-12) and d["tokens_per_round"] == won["new_tokens"].mean()
     assert (tmp_path / "t" / "spec.png").stat().st_size > 0
+
+
+def test_same_code_is_the_code_paths_not_configs_or_results(tmp_path, monkeypatch):
+    """In a throwaway git repository: a later commit that changes only results, docs or a comment in conf/
+    runs the same code (a conf change that matters changes the rows' resolved configs, their run ids);
+    one that changes kvstream/ does not; nor does a dirty tree."""
+    from experiments.common import same_code
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVSTREAM_GIT_COMMIT", raising=False)
+    git = lambda *args: subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q"), git("config", "user.email", "t@t"), git("config", "user.name", "t")
+    for f in ("kvstream/m.py", "conf/experiment/e.yaml", "results/r.csv"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x = 1\n")
+    git("add", "."), git("commit", "-qm", "code")
+    first = git("rev-parse", "HEAD")
+    (tmp_path / "conf/experiment/e.yaml").write_text("x = 1  # a note\n")
+    (tmp_path / "results/r.csv").write_text("x = 2\n")
+    git("commit", "-qam", "a comment and results")
+    assert same_code(first)
+    (tmp_path / "kvstream/m.py").write_text("x = 2\n")
+    assert not same_code(first)  # uncommitted
+    git("commit", "-qam", "code changed")
+    assert not same_code(first)
 
 
 def test_a_fresh_folder_takes_a_published_row_only_of_the_same_code(tiny, tmp_path, monkeypatch):
