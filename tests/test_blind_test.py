@@ -5,6 +5,7 @@ studies with known answers (tests/test_crossover.py's), CPU, no model."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pandas as pd
@@ -75,6 +76,7 @@ def test_config_differences_leave_out_what_varies_per_cell(ab):
     assert blind_test.blind_test(a, b)["config_differences"] == {"prefill_chunk": [["512"], ["256"]]}
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_the_prediction_is_the_one_the_tests_commit_held(tmp_path, monkeypatch):
     """In a throwaway git repository: a commit before the prediction, the one that holds it, a later
     one where it changed, and one git does not know. The test's rows ran the holding commit; the

@@ -4,6 +4,7 @@ the analysis writes its tables and figure; every config in conf/ composes into t
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from dataclasses import asdict
 from pathlib import Path
@@ -228,6 +229,7 @@ def test_a_spec_study_gets_its_table_and_figure(tiny, tmp_path):
     assert (tmp_path / "t" / "spec.png").stat().st_size > 0
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_same_code_is_the_code_paths_not_configs_or_results(tmp_path, monkeypatch):
     """In a throwaway git repository: a later commit that changes only results, docs or a comment in conf/
     runs the same code (a conf change that matters changes the rows' resolved configs, their run ids);
