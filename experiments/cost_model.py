@@ -30,11 +30,11 @@ class CostModel:
     e + f*streamed_pages, copy_floor*streamed_pages): a compute line, and a copy line for steps whose
     streamed pages take longer to copy than the layers' compute they overlap (f: seconds per streamed
     page per layer, all layers; e = f = 0 when no step was copy-bound or the study has under 10 design
-    points). ``copy_floor``: the fewest seconds per streamed page of the design points the copy line
-    binds, a floor below which the copy line may not extrapolate (a copy's rate climbs with its size
-    towards the link's, so the line fitted over the climb is flatter than the copy-bound steps beyond:
-    on the H100 final6's line gave 52.6 us a page, the steps past its grid took 66-67 us); no measured
-    point lies below it. A round with the
+    points). ``copy_floor`` (with a copy line): the fewest seconds per streamed page of any streaming
+    design point (the copy-bound ones at the most pages), below which the copy line may not extrapolate:
+    a copy's rate climbs with its size towards the link's, so the line fitted over the climb is flatter
+    than the copy-bound steps beyond (on the H100 final6's line gave 52.6 us a page, the steps past its
+    grid took 66-67 us); no measured point lies below it. A round with the
     draft active drafts ``drafted_per_round`` tokens on average (rounds where it proposes nothing
     included) in ``draft_s_per_round`` seconds and keeps ``tokens_per_round`` (1 + the mean accepted
     drafts), all as measured over the study; with several prompt lengths, per prompt length too
@@ -233,7 +233,7 @@ def _fit_lines(g: pd.DataFrame, n_steps: int, s: pd.DataFrame):
     above it, the two combined by max (streaming overlaps the compute until the copy takes longer:
     on the H200 a verify step's time rose 13-29 us per streamed page up to ~44, then 61 us, the pinned
     copy rate). Returns the compute coefficients, (e, f), the copy floor (the fewest seconds per
-    streamed page among the medians the copy line binds; 0 without one) and the model's medians."""
+    streamed page of the medians; 0 without a copy line) and the model's medians."""
     y, w = g["median"].to_numpy(), np.sqrt(g["size"].to_numpy(float))
     streamed = g["streamed_pages"].to_numpy(float)
     X = np.column_stack([np.ones(len(g)), streamed, g["verify_width"] - 1, g["pages_per_layer"]])
@@ -275,9 +275,9 @@ def _fit_lines(g: pd.DataFrame, n_steps: int, s: pd.DataFrame):
             pred = _bound(X @ fit[0], *fit[1], streamed)
             best = min(best, (bic(pred, 7), fit[0], fit[1], pred), key=lambda c: c[0])
     _, coef, (e, f), pred = best
-    binds = (e + f * streamed > X @ coef) & (streamed > 0) if f > 0 else np.zeros(n, bool)
-    floor = float(np.min(y[binds] / streamed[binds])) if binds.any() else 0.0
-    # the floor lies under every median (the fewest seconds a page of them), so it only lifts the fit towards them
+    # the fewest seconds a streamed page of any median took: under every median, so it only lifts the fit
+    # towards them; with no copy line (nothing copy-bound) no floor
+    floor = float(np.min(y[streamed > 0] / streamed[streamed > 0])) if f > 0 else 0.0
     return coef, (e, f), floor, _bound(X @ coef, e, f, streamed, floor)
 
 

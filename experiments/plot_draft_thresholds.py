@@ -12,7 +12,7 @@ keep and eject arms over the measured range as thin lines in their arms' colours
 model fitted to the steps follows the decodes the arms measured). ``--with`` draws other studies' runs
 (and fits on their steps) beside the study's, as one study: a blind test beside the study whose
 prediction it tests. Where the study holds a ``blind_test.json`` (experiments/blind_test.py), its
-prediction is drawn too, in red.
+prediction is drawn too, in red, said blind only where git found it in the tree the test ran.
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ def plot(study_dir, keep: str = "keep", eject: str = "onset", others=()) -> Path
         x = (result.get(side) or {}).get("context_tokens")
         if x is not None and x <= 1.5 * runs["context"].max():  # one far out would squash the curves
             ax.axvline(x, color=color, ls=ls, label=f"{name} crossover {x:.0f} tokens ({x / PAGE:.1f} pages)")
-    if (study / "blind_test.json").is_file():
-        blind = json.loads((study / "blind_test.json").read_text())
-        x = blind["predicted"]["context_tokens"]
-        ax.axvline(x, color="tab:red", ls="-.", label=f"blind prediction {x:.0f} tokens "
-                   f"({Path(blind['predicting']).name}, before this study ran)")
+    blind = json.loads((study / "blind_test.json").read_text())["predicted"] if (study / "blind_test.json").is_file() \
+        else {}
+    if blind.get("context_tokens") is not None:
+        x, how = blind["context_tokens"], "before this study ran" if blind.get("blind") else "not checked blind"
+        ax.axvline(x, color="tab:red", ls="-.", label=f"prediction {x:.0f} tokens ({how}; blind_test.json)")
     ax.set_xscale("log", base=2)
     contexts = sorted(runs["context"].unique())
     top = ax.secondary_xaxis("top", functions=(lambda x: x / PAGE, lambda p: p * PAGE))
