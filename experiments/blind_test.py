@@ -31,7 +31,7 @@ from experiments.crossover import (PAGE, PREDICTION_GOAL, _jsonable, add_arm_arg
                                    predict, read_study)
 from experiments.what_if import capacities
 
-PER_CELL = {"context", "rep", "arm", "study"}  # config keys a study varies by design (arm: its policy)
+PER_CELL = {"context", "rep", "arm", "study", "policy"}  # what a study varies by design (an arm sets its policy)
 
 
 def flat(config: str, prefix: str = "") -> dict:
@@ -45,17 +45,15 @@ def flat(config: str, prefix: str = "") -> dict:
 
 def config_differences(a: pd.DataFrame, b: pd.DataFrame) -> dict:
     """{key: [values in a, values in b]} for the config keys whose values differ between the two
-    studies' rows, other than those a study varies per cell (context, rep, arm, study) and the
-    policy keys an arm sets."""
+    studies' rows, other than those under ``PER_CELL``."""
     if "config" not in a or "config" not in b:
         return {"unknown": "runs.csv has no config column"}
-    arm_keys = lambda k: k.split(".")[0] == "policy"
 
     def values(runs):
         out: dict[str, set] = {}
         for c in runs["config"].dropna():
             for k, v in flat(c).items():
-                if k not in PER_CELL and not arm_keys(k):
+                if k.split(".")[0] not in PER_CELL:
                     out.setdefault(k, set()).add(v)
         return out
     va, vb = values(a), values(b)
