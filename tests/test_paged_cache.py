@@ -92,17 +92,25 @@ def test_stream_one_round_is_bit_identical_to_resident(model, tokens, resident_l
     assert torch.equal(logits, resident_logits)
 
 
+RESIDENCY_DECODE, RESIDENCY_MAX = 700, 3072  # 700 decode steps after the prompt open pages 8, 9 and 10
+
+
+@pytest.fixture(scope="module")
+def residency_run(model):
+    """The residency-step test's tokens and the resident cache's logits over them (one run for its cases)."""
+    toks = torch.randint(0, 357, (PROMPT + RESIDENCY_DECODE,), generator=torch.Generator().manual_seed(3)).tolist()
+    return toks, run(model, paged(model, "resident", max_tokens=RESIDENCY_MAX), toks, RESIDENCY_DECODE)
+
+
 @pytest.mark.parametrize("ring, step, plans", [(16, 1, 4), (16, 3, 2), (4, 1, 4), (4, 3, 2)])
-def test_a_residency_step_keeps_the_plan_across_page_openings_exactly(model, ring, step, plans):
+def test_a_residency_step_keeps_the_plan_across_page_openings_exactly(model, residency_run, ring, step, plans):
     """700 decode steps open pages 8, 9 and 10, with 6 resident pages per layer. With residency
     step 3 the oldest pages leave 3 at a time: the plan (all a captured step depends on) changes
     once in the decode instead of three times, in one round (ring 16) and in 2-3 rounds (ring 4,
     2 streamed pages a round: the last round's split count does not follow the pages). The
     logits equal the resident cache's bit for bit in both (one attention call over the same
     bytes, or its splits carried across the rounds)."""
-    decode, max_tokens = 700, 3072
-    toks = torch.randint(0, 357, (PROMPT + decode,), generator=torch.Generator().manual_seed(3)).tolist()
-    ref = run(model, paged(model, "resident", max_tokens=max_tokens), toks, decode)
+    (toks, ref), decode, max_tokens = residency_run, RESIDENCY_DECODE, RESIDENCY_MAX
     cache = paged(model, "stream", mib=small_arena_mib(model, 6, ring, max_tokens), ring=ring, max_tokens=max_tokens,
                   step=step)
     keys, rounds, begin = set(), set(), cache.begin
