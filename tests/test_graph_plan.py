@@ -60,8 +60,14 @@ def decode(model, cache, tokens, each_step=None):
     return torch.cat(out)
 
 
+@pytest.fixture(scope="module")
+def resident_logits(model, tokens):
+    """A resident cache's logits over ``tokens`` (``decode``): the reference of the streaming cases."""
+    return decode(model, cache_for(model, "resident"), tokens)
+
+
 @pytest.mark.parametrize("ring", [16, 40])
-def test_step_copies_are_the_copies_a_step_issues_and_group_copies_keep_the_logits(model, tokens, ring):
+def test_step_copies_are_the_copies_a_step_issues_and_group_copies_keep_the_logits(model, tokens, resident_logits, ring):
     """Across page openings from 1 to 9 streamed pages per layer, ``step_plan`` lists exactly the
     copies each eager step issues, in order: what a captured step's memcpy nodes are matched
     with and re-pointed to. Ring 16 (halves of 8; the layout can stream 10 pages per layer): one
@@ -69,7 +75,6 @@ def test_step_copies_are_the_copies_a_step_issues_and_group_copies_keep_the_logi
     copies move 10 pages per layer, whatever the count streamed. The logits equal a resident
     cache's bit for bit (one attention call over the same bytes, the padded pages' ring copies
     unread)."""
-    ref = decode(model, cache_for(model, "resident"), tokens)
     cache = cache_for(model, "stream", ring=ring)
     issued, begin, copy = [], cache.begin, cache.copier.copy
     seen = []  # (plan_key, shape, group, pitch, streamed) per decode step
@@ -93,7 +98,7 @@ def test_step_copies_are_the_copies_a_step_issues_and_group_copies_keep_the_logi
 
     cache.begin, cache.copier.copy = tracked_begin, tracked_copy
     got = decode(model, cache, tokens, check)
-    assert torch.equal(got, ref)
+    assert torch.equal(got, resident_logits)
     groups = {(g, pitch, s) for _, _, g, pitch, s, _ in seen}
     plans, shapes = {k[0] for k in seen}, {k[1] for k in seen}
     assert len(plans) >= 8, len(plans)  # 8 page openings
