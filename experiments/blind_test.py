@@ -91,10 +91,9 @@ def blind_prediction(prediction: Path, commits) -> tuple[float | None, dict]:
     """The prediction every commit the test's rows ran held (None where they held none, or not one
     value), and per commit what its tree held."""
     held = {c: prediction_in_tree(prediction, c) for c in sorted(set(commits))}
-    values = {v for v in held.values() if not isinstance(v, str)}
-    blind = values.pop() if len(values) == 1 and len(held) == sum(not isinstance(v, str) for v in held.values()) \
-        else None
-    return blind, held
+    values = set(held.values())
+    one = values.pop() if len(values) == 1 else None
+    return (None if isinstance(one, str) else one), held
 
 
 def arms_at_test(a: pd.DataFrame, steps_a: pd.DataFrame, b: pd.DataFrame, keep: str, eject: str,

@@ -67,7 +67,8 @@ def resident_logits(model, tokens):
 
 
 @pytest.mark.parametrize("ring", [16, 40])
-def test_step_copies_are_the_copies_a_step_issues_and_group_copies_keep_the_logits(model, tokens, resident_logits, ring):
+def test_step_copies_are_the_copies_a_step_issues_and_group_copies_keep_the_logits(model, tokens, resident_logits,
+                                                                                   ring):
     """Across page openings from 1 to 9 streamed pages per layer, ``step_plan`` lists exactly the
     copies each eager step issues, in order: what a captured step's memcpy nodes are matched
     with and re-pointed to. Ring 16 (halves of 8; the layout can stream 10 pages per layer): one
