@@ -68,16 +68,23 @@ def arm_order(runs: pd.DataFrame) -> list[str]:
     return list(arms(runs).index)
 
 
+def step_files(folder: Path) -> list[Path]:
+    """A study's per-cell steps: ``steps/<run_id>.csv`` (as the sweep writes them) or ``.csv.gz``
+    (as experiments/publish.py publishes them), by name."""
+    d = Path(folder) / "steps"
+    return sorted([*d.glob("*.csv"), *d.glob("*.csv.gz")])
+
+
 def read_study(study: Path) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """runs.csv (required) and steps.csv, or else the per-cell ``steps/<run_id>.csv`` that
-    experiments/draft_threshold.py writes (None when neither: no prediction then)."""
+    """runs.csv (required) and steps.csv, or else the per-cell steps files (``step_files``; None
+    when neither: no prediction then)."""
     study = Path(study)
     if not (study / "runs.csv").is_file():
         raise FileNotFoundError(f"no runs.csv in {study}: pass the folder experiments/draft_threshold.py wrote")
     runs = pd.read_csv(study / "runs.csv", dtype={"run_id": str, "arm": str})
     require(runs, ARM_COLUMNS, "runs.csv")
     runs["arm"] = [arm_label(*r) for r in runs[list(ARM_COLUMNS)].itertuples(index=False)]
-    files = [study / "steps.csv"] if (study / "steps.csv").is_file() else sorted((study / "steps").glob("*.csv"))
+    files = [study / "steps.csv"] if (study / "steps.csv").is_file() else step_files(study)
     steps = pd.concat([pd.read_csv(f, dtype={"run_id": str}) for f in files], ignore_index=True) if files else None
     return runs, steps
 

@@ -32,7 +32,6 @@ import gc
 import hashlib
 import json
 import re
-import shutil
 import sys
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -213,11 +212,11 @@ def reuse_published(study: str, run_id: str, out: Path) -> bool:
     rows = pd.read_csv(src / "runs.csv", dtype={"run_id": str}, keep_default_na=False)
     rows = rows[(rows["run_id"] == run_id) & (rows["git_dirty"].astype(str) == "False")]
     rows = rows[[same_code(c) for c in rows["git_commit"]]]
-    steps = src / "steps" / f"{run_id}.csv"
-    if rows.empty or not steps.is_file():
+    steps = [f for f in (src / "steps" / f"{run_id}.csv", src / "steps" / f"{run_id}.csv.gz") if f.is_file()]
+    if rows.empty or not steps:
         return False
     (out / "steps").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(steps, out / "steps" / steps.name)
+    pd.read_csv(steps[0], dtype={"run_id": str}).to_csv(out / "steps" / f"{run_id}.csv", index=False)
     runs = out / "runs.csv"
     if runs.exists():
         check_columns(runs)

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 import conf
 from experiments.common import review_prompt
 from experiments.draft_threshold import StudyConfig, analyze, arm_of, run_cell
+from experiments.publish import write_steps
 from kvstream.cli.ppl import PplConfig
 from kvstream.config import GenerateConfig, to_typed
 from kvstream.model.tokenizer import Tokenizer
@@ -269,5 +270,11 @@ def test_a_fresh_folder_takes_a_published_row_only_of_the_same_code(tiny, tmp_pa
     fresh = tmp_path / "runs" / "t-s1"
     assert pd.read_csv(fresh / "runs.csv")["run_id"].tolist() == pd.read_csv(published)["run_id"].tolist()
     assert len(list((fresh / "steps").glob("*.csv"))) == 1
+    (step,) = (tmp_path / "pub" / "t" / "steps").glob("*.csv")  # published as experiments/publish.py does
+    write_steps(pd.read_csv(step, dtype={"run_id": str}), step.with_suffix(".csv.gz"))
+    step.unlink()
+    assert run_cell(study_cfg(tiny, tmp_path / "runs", arm="none", context=300, stamp="s1gz")) is None
+    (copied,) = (tmp_path / "runs" / "t-s1gz" / "steps").glob("*.csv")
+    pd.testing.assert_frame_equal(pd.read_csv(copied), pd.read_csv(step.with_suffix(".csv.gz")))
     monkeypatch.setattr(dt, "same_code", lambda commit: False)
     assert run_cell(study_cfg(tiny, tmp_path / "runs", arm="none", context=300, stamp="s2")) is not None  # ran
