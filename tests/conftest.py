@@ -13,6 +13,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (pyproject's addopts: a worker per core) each worker computes on its share of the
+# cores, its subprocesses too: with torch's default, two workers' OpenMP pools spun against each other
+# and the suite ran slower than in one process.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
 from kvstream.model import registry
 
 
