@@ -5,9 +5,9 @@
 A sweep run in parts (one process per rep, a cut run and its rest, several leases) writes one
 folder per part. This appends each part's ``runs.csv`` rows to the published one (the same
 columns; a run id already there is refused: a cell published twice would count as two reps),
-writes each row's steps as ``steps/<run_id>.csv.gz`` (seconds rounded to 1 us: a step's timer
-resolution is ~1 us; gzip, since per-step records are ~90% of a study's bytes and the folder
-travels with the working tree to the GPU machine), keeps the first part's ``multirun.yaml``
+writes each row's steps as ``steps/<run_id>.csv.gz`` (seconds rounded to 1 us, far below the
+0.01-1 ms terms the cost model fits; gzipped, since per-step records are ~90% of a study's bytes
+and the published folders travel with the working tree to the GPU machine), keeps the first part's ``multirun.yaml``
 (the parts differ in their overrides only), then re-runs the study's analysis
 (``experiments.crossover``). Nothing is written unless every part reads cleanly.
 """
@@ -60,7 +60,8 @@ def publish(parts: list[Path], to: Path) -> int:
     for p, (rows, _) in zip(parts, read):
         if list(rows.columns) != columns:
             diff = sorted(set(rows.columns) ^ set(columns))
-            raise ValueError(f"{p}: runs.csv's columns differ from {to / 'runs.csv' if old is not None else parts[0]}'s ({diff})")
+            ref = to / "runs.csv" if old is not None else parts[0]
+            raise ValueError(f"{p}: runs.csv's columns differ from {ref}'s ({diff})")
     seen = pd.concat([old["run_id"], new["run_id"]]) if old is not None else new["run_id"]
     dup = sorted(set(seen[seen.duplicated()]))
     if dup:
